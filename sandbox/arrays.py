@@ -1,0 +1,76 @@
+"""Array interop: NumPy, CuPy and any DLPack / __cuda_array_interface__ array in, the caller's type out.
+
+`to_backend` takes the caller's arrays to the backend's array module without copies where it can
+(CuPy and PyTorch CUDA tensors are wrapped zero-copy); `from_backend` hands results back as the
+caller's type. bf16 has no NumPy dtype: NumPy callers pass bf16 as a CuPy/PyTorch array.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .device import cupy_or_none
+
+
+def kind_of(x) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod == "cupy":
+        return "cupy"
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+        return mod
+    raise ValueError(f"unsupported array type {type(x).__name__}: pass NumPy, CuPy, or a DLPack / "
+                     "__cuda_array_interface__ array")
+
+
+def to_device(x):
+    """A CuPy view (zero-copy) or copy (NumPy) of x on the current GPU."""
+    cp = cupy_or_none()
+    if cp is None:
+        raise RuntimeError("CUDA arrays need a GPU with CuPy installed")
+    kind = kind_of(x)
+    if kind == "cupy":
+        return x
+    if kind == "numpy":
+        return cp.asarray(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return cp.asarray(x)
+    return cp.from_dlpack(x)
+
+
+def to_host(x):
+    """NumPy view or copy of x (for the simulator and for oracles)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "get"):
+        return x.get()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def like(result, caller_kind: str):
+    """result (CuPy or NumPy) converted to the caller's array kind."""
+    if caller_kind == "numpy":
+        return to_host(result)
+    if caller_kind == "cupy":
+        return result
+    module = sys.modules.get(caller_kind)
+    if module is not None and hasattr(module, "from_dlpack"):
+        return module.from_dlpack(result)
+    return result
+
+
+def check_unit_stride_d(x, what: str):
+    """Kernels take strides but need unit stride along d (the last axis)."""
+    strides = getattr(x, "strides", None)
+    if strides is not None and x.shape[-1] > 1 and strides[-1] != x.itemsize:
+        raise ValueError(f"{what} must have unit stride along d (last axis); got strides {strides}")
+
+
+def element_strides(x) -> tuple[int, ...]:
+    return tuple(s // x.itemsize for s in x.strides)

@@ -1,0 +1,186 @@
+"""Build CUDA sources from kernels_cu/: at run time through cupy.RawModule (NVRTC), or compile-only
+through cuda.bindings.nvrtc (no GPU needed) with a register / spill / shared-memory report.
+
+- Sources are read as package data and their local `#include "x.cuh"` lines are inlined, so the
+  text that is compiled (and that CuPy's on-disk cache is keyed by) is the whole program.
+- Templates are instantiated through `name_expressions`: a variant's config object produces the
+  exact names (e.g. "standard_softmax<__half>").
+- One module per (source, options, name expressions), built lazily and cached.
+- Dynamic shared memory above 48 KB is enabled per kernel before its first launch.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+BASE_OPTIONS = ("-std=c++17",)
+STATIC_SMEM_LIMIT = 48 * 1024
+_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
+
+
+@dataclass(frozen=True)
+class CompileUnit:
+    """What one variant config compiles: a source, its template names, options and dynamic smem."""
+
+    source: str                      # file name under kernels_cu/
+    names: tuple                     # name expressions
+    options: tuple = ()
+    dynamic_smem: dict = field(default_factory=dict, hash=False, compare=False)   # name -> bytes
+    label: str = ""
+
+
+def kernel_dir() -> Path:
+    return Path(str(resources.files("kernels_cu")))
+
+
+@functools.lru_cache(maxsize=None)
+def source_text(name: str) -> str:
+    """The source with local includes inlined (each header once)."""
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        text = (kernel_dir() / fname).read_text()
+
+        def sub(m):
+            inc = m.group(1)
+            if inc in seen:
+                return f"// (already included: {inc})"
+            seen.add(inc)
+            return f"// ---- begin {inc}\n{expand(inc)}\n// ---- end {inc}"
+
+        return _INCLUDE.sub(sub, text)
+
+    return expand(name)
+
+
+# ---- run time (CuPy)
+
+@functools.lru_cache(maxsize=None)
+def _module(source: str, options: tuple, names: tuple):
+    import cupy
+    return cupy.RawModule(code=source_text(source), options=BASE_OPTIONS + options,
+                          name_expressions=list(names))
+
+
+def get_kernel(unit: CompileUnit, name: str):
+    """The compiled kernel `name` of `unit`, with its dynamic shared-memory limit raised if needed."""
+    kernel = _module(unit.source, tuple(unit.options), tuple(unit.names)).get_function(name)
+    smem = int(unit.dynamic_smem.get(name, 0))
+    if smem > STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    return kernel
+
+
+def launch(unit: CompileUnit, name: str, grid, block, args, shared_mem: int = 0):
+    """Launch with every scalar already typed (np.int32 / np.float32 / np.uint64 ...)."""
+    for a in args:
+        if isinstance(a, (bool, int, float)):
+            raise TypeError(f"untyped Python scalar {a!r} passed to {name}: type it explicitly "
+                            "(CuPy would pass it as long long / double)")
+    grid = tuple(int(g) for g in grid)
+    if min(grid) == 0:
+        return
+    get_kernel(unit, name)(grid, tuple(int(b) for b in block), tuple(args), shared_mem=int(shared_mem))
+
+
+# ---- compile only (no GPU): NVRTC through cuda.bindings
+
+def cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h and friends, for NVRTC without CuPy."""
+    dirs = []
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            dirs.append(os.path.join(entry, sub))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(dirs) if os.path.exists(os.path.join(d, "cuda_fp16.h"))][:1]
+
+
+@dataclass
+class KernelReport:
+    label: str
+    name: str
+    arch: str
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    static_smem: int
+    dynamic_smem: int
+
+    @property
+    def smem(self) -> int:
+        return self.static_smem + self.dynamic_smem
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
+    """Compile `unit` for `arch` with NVRTC (no driver needed); one report per name expression."""
+    from cuda.bindings import nvrtc
+
+    def check(result, what):
+        err = result[0]
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"{what}: {err}")
+        return result[1:] if len(result) > 1 else None
+
+    (prog,) = check(nvrtc.nvrtcCreateProgram(source_text(unit.source).encode(), unit.source.encode(), 0, [], []),
+                    "nvrtcCreateProgram")
+    try:
+        for name in unit.names:
+            check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
+        opts = [*BASE_OPTIONS, *unit.options, f"-arch={arch}", "-Xptxas=-v"]
+        opts += [f"-I{d}" for d in cuda_include_dirs()]
+        result = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log = log.decode(errors="replace")
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC failed to compile {unit.source} for {arch}:\n{log}")
+        lowered = {}
+        for name in unit.names:
+            (low,) = check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), "lowered name")
+            lowered[low.decode()] = name
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return _parse_ptxas(log, lowered, unit, arch)
+
+
+def _parse_ptxas(log: str, lowered: dict, unit: CompileUnit, arch: str) -> list[KernelReport]:
+    reports, current = [], None
+    for line in log.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            current = {"mangled": m.group(1)}
+        elif current is not None and (m := _PTXAS_FRAME.search(line)):
+            current.update(stack=int(m.group(1)), stores=int(m.group(2)), loads=int(m.group(3)))
+        elif current is not None and (m := _PTXAS_USED.search(line)):
+            name = lowered.get(current["mangled"])
+            if name is not None:
+                reports.append(KernelReport(unit.label or unit.source, name, arch, int(m.group(1)),
+                                            current.get("stores", 0), current.get("loads", 0),
+                                            current.get("stack", 0), int(m.group(2) or 0),
+                                            int(unit.dynamic_smem.get(name, 0))))
+            current = None
+    missing = set(lowered.values()) - {r.name for r in reports}
+    if missing:
+        raise RuntimeError(f"no ptxas report for {sorted(missing)} in {unit.source}")
+    return reports
+
+
+def as_scalar(value, ctype):
+    """Typed kernel scalar (name the C type: 'int', 'float', 'u64', 'u32')."""
+    return {"int": np.int32, "float": np.float32, "u64": np.uint64, "u32": np.uint32}[ctype](value)

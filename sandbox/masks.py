@@ -1,0 +1,141 @@
+"""Attention masks: causal and sliding window (element predicates), block-sparse layouts, and the
+host-side tile classification that kernels use to skip work.
+
+Alignment (DESIGN.md): with shift = Nk - Nq, query i sees key j iff
+    causal:           j <= i + shift
+    window (l, r):    i + shift - l <= j <= i + shift + r        (None = unbounded side)
+    block-sparse:     layout[h or 0, i // bq, j // bk]
+and the three compose by AND. Causal and window together are one band `lo <= j - i <= hi`, which
+is what kernels receive (`Band`); block-sparse layouts travel as a per-tile table.
+
+Tile classes (for a kernel's own Br x Bc tiles, any size against any mask block size):
+    EMPTY   no element visible: the tile is skipped (never loaded)
+    FULL    every element visible: no per-element masking
+    PARTIAL some visible: the element predicate is applied
+The classification is exact (tests check it against the element mask).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TILE_EMPTY, TILE_FULL, TILE_PARTIAL = 0, 1, 2
+UNBOUNDED = 1 << 30  # band offset meaning "no bound"; |j - i| < 2**30 for every supported N
+
+
+@dataclass(frozen=True)
+class Band:
+    """Visible iff lo <= j - i <= hi (causal and window folded together)."""
+
+    lo: int = -UNBOUNDED
+    hi: int = UNBOUNDED
+
+    @classmethod
+    def from_options(cls, Nq: int, Nk: int, causal: bool, window) -> "Band":
+        shift = Nk - Nq
+        lo, hi = -UNBOUNDED, UNBOUNDED
+        if window is not None:
+            left, right = window
+            if left is not None:
+                lo = shift - left
+            if right is not None:
+                hi = shift + right
+        if causal:
+            hi = min(hi, shift)
+        return cls(int(lo), int(hi))
+
+    @property
+    def unbounded(self) -> bool:
+        return self.lo <= -UNBOUNDED and self.hi >= UNBOUNDED
+
+    def element_mask(self, Nq: int, Nk: int) -> np.ndarray:
+        d = np.arange(Nk)[None, :] - np.arange(Nq)[:, None]
+        return (d >= self.lo) & (d <= self.hi)
+
+
+class BlockSparse:
+    """Block-sparse layout: element (i, j) of head h is visible iff layout[h or 0, i//bq, j//bk]."""
+
+    def __init__(self, layout, block):
+        layout = np.asarray(layout)
+        if layout.dtype != np.bool_:
+            if not np.issubdtype(layout.dtype, np.integer) or not np.isin(layout, (0, 1)).all():
+                raise ValueError("BlockSparse layout must be boolean (or 0/1 integers)")
+            layout = layout.astype(bool)
+        if layout.ndim == 2:
+            layout = layout[None]
+        if layout.ndim != 3:
+            raise ValueError(f"BlockSparse layout must have shape (Hm, Nq/bq, Nk/bk), got {layout.shape}")
+        bq, bk = (int(x) for x in block)
+        if bq < 1 or bk < 1:
+            raise ValueError(f"BlockSparse block sizes must be >= 1, got {block}")
+        self.layout = np.ascontiguousarray(layout)
+        self.block = (bq, bk)
+
+    def __repr__(self):
+        return f"BlockSparse(layout{self.layout.shape}, block={self.block}, density={self.layout.mean():.3f})"
+
+    def validate(self, Hq: int, Nq: int, Nk: int) -> None:
+        bq, bk = self.block
+        want = (-(-Nq // bq), -(-Nk // bk))
+        if self.layout.shape[0] not in (1, Hq) or self.layout.shape[1:] != want:
+            raise ValueError(
+                f"block_mask layout has shape {self.layout.shape}; for Hq={Hq}, Nq={Nq}, Nk={Nk} and "
+                f"block={self.block} it must be (1 or {Hq}, {want[0]}, {want[1]})")
+
+    def element_mask(self, Nq: int, Nk: int) -> np.ndarray:
+        """[Hm, Nq, Nk] boolean."""
+        bq, bk = self.block
+        return self.layout[:, np.arange(Nq) // bq][:, :, np.arange(Nk) // bk]
+
+
+def element_mask(Hq: int, Nq: int, Nk: int, causal=False, window=None, block_mask=None) -> np.ndarray:
+    """[Hm, Nq, Nk] boolean visibility (Hm = 1 unless the block mask is per head)."""
+    vis = Band.from_options(Nq, Nk, causal, window).element_mask(Nq, Nk)[None]
+    if block_mask is not None:
+        vis = vis & block_mask.element_mask(Nq, Nk)
+    return vis
+
+
+def _band_classes(band: Band, r0, r1, c0, c1):
+    """Per rectangle rows [r0, r1) x cols [c0, c1): (empty, full) under the band (arrays)."""
+    dmin = c0 - (r1 - 1)
+    dmax = (c1 - 1) - r0
+    empty = (dmax < band.lo) | (dmin > band.hi)
+    full = (dmin >= band.lo) & (dmax <= band.hi)
+    return empty, full
+
+
+def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
+                   block_mask: BlockSparse | None = None) -> np.ndarray:
+    """int8 [Hm, ceil(Nq/Br), ceil(Nk/Bc)] of TILE_EMPTY / TILE_FULL / TILE_PARTIAL (exact)."""
+    nr, nc = -(-Nq // block_r), -(-Nk // block_c)
+    r0 = (np.arange(nr) * block_r)[:, None]
+    r1 = np.minimum(r0 + block_r, Nq)
+    c0 = (np.arange(nc) * block_c)[None, :]
+    c1 = np.minimum(c0 + block_c, Nk)
+    band_empty, band_full = _band_classes(band, r0, r1, c0, c1)
+    if block_mask is None:
+        cls = np.where(band_empty, TILE_EMPTY, np.where(band_full, TILE_FULL, TILE_PARTIAL))
+        return cls.astype(np.int8)[None]
+    bq, bk = block_mask.block
+    layout = block_mask.layout
+    Hm = layout.shape[0]
+    any_visible = np.zeros((Hm, nr, nc), bool)
+    all_blocks_on = np.ones((Hm, nr, nc), bool)
+    # Walk the mask blocks that overlap each tile: at most ceil(Br/bq)+1 by ceil(Bc/bk)+1 of them.
+    for dr in range(-(-block_r // bq) + 1):
+        br = r0 // bq + dr                                   # mask-block row index per tile row
+        sr0, sr1 = np.maximum(r0, br * bq), np.minimum(r1, (br + 1) * bq)
+        for dc in range(-(-block_c // bk) + 1):
+            bc = c0 // bk + dc
+            sc0, sc1 = np.maximum(c0, bc * bk), np.minimum(c1, (bc + 1) * bk)
+            overlaps = (sr0 < sr1) & (sc0 < sc1)             # [nr, nc]
+            on = layout[:, np.minimum(br, layout.shape[1] - 1)[:, 0]][:, :, np.minimum(bc, layout.shape[2] - 1)[0]]
+            sub_empty, _ = _band_classes(band, sr0, sr1, sc0, sc1)
+            any_visible |= overlaps & on & ~sub_empty
+            all_blocks_on &= ~overlaps | on
+    cls = np.where(~any_visible, TILE_EMPTY,
+                   np.where(all_blocks_on & band_full, TILE_FULL, TILE_PARTIAL))
+    return cls.astype(np.int8)

@@ -1,0 +1,98 @@
+"""The exact attention oracle: NumPy, float64, written for clarity (DESIGN.md).
+
+It is the definition of every feature's semantics. Forward: materialise S = scale * Q K^T, apply the
+mask (causal / window / block-sparse, bottom-right aligned), softmax, dropout (the
+`sandbox.dropout_mask` RNG contract), O = P V. Backward by the textbook equations:
+
+    dV = P_drop^T dO,  dP_drop = dO V^T,  dP = dP_drop * Z / (1 - p),
+    D = rowsum(dO * O),  dS = P * (dP - D),  dQ = scale * dS K,  dK = scale * dS^T Q
+
+GQA/MQA: query head h reads K/V head h // (Hq // Hkv); dK and dV sum over the group.
+A row that sees no key has out = 0, lse = -inf and zero gradients.
+
+`precision="float16"` (or "bfloat16", "float32") is the same-precision mode used by the
+tensor-core tolerance rule: inputs and the materialised intermediates (S, P, O; dP, dS and the
+gradients) are rounded to that dtype, as a naive kernel in that precision would store them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .masks import element_mask
+from .philox import dropout_mask
+from .precision import round_to
+
+
+def _prepare(q, k, v, scale):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("oracle expects q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d)")
+    B, Hq, Nq, d = q.shape
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    g = Hq // Hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    return q, np.repeat(k, g, axis=1), np.repeat(v, g, axis=1), scale, g
+
+
+def _probabilities(q, k, scale, causal, window, block_mask, rnd):
+    """(P [B,H,Nq,Nk], lse [B,H,Nq], visible [Hm,Nq,Nk], S) in float64 with dead rows as zeros."""
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    s = rnd(rnd(np.einsum("bhid,bhjd->bhij", q, k)) * scale)
+    vis = element_mask(H, Nq, Nk, causal, window, block_mask)[None]
+    s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    alive = np.isfinite(m)
+    m_safe = np.where(alive, m, 0.0)
+    e = np.exp(s - m_safe)                      # masked entries: exp(-inf) = 0
+    l = e.sum(axis=-1, keepdims=True)
+    p = rnd(np.where(alive, e / np.where(alive, l, 1.0), 0.0))
+    with np.errstate(divide="ignore"):
+        lse = np.where(alive, m_safe + np.log(np.where(alive, l, 1.0)), -np.inf)[..., 0]
+    return p, lse, vis
+
+
+def _dropout(shape, dropout_p, seed, offset, rounds):
+    if dropout_p == 0.0:
+        return None
+    return dropout_mask(shape, dropout_p, seed, offset, rounds) / (1.0 - dropout_p)
+
+
+def forward(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
+            block_mask=None, precision="float64", philox_rounds=10):
+    """-> (out [B,Hq,Nq,d] float64, lse [B,Hq,Nq] float64)."""
+    rnd = lambda x: round_to(x, precision)  # noqa: E731  identity for float64
+    q, k, v = (rnd(x) for x in (q, k, v))
+    q, k, v, scale, _ = _prepare(q, k, v, scale)
+    p, lse, _ = _probabilities(q, k, scale, causal, window, block_mask, rnd)
+    z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
+    pd = p if z is None else rnd(p * z)
+    out = rnd(np.einsum("bhij,bhjd->bhid", pd, v))
+    return out, lse
+
+
+def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
+             block_mask=None, precision="float64", philox_rounds=10):
+    """-> (dq, dk, dv) in float64, shaped like q, k, v."""
+    rnd = lambda x: round_to(x, precision)  # noqa: E731
+    Hkv = np.shape(k)[1]
+    q, k, v, dout = (rnd(x) for x in (q, k, v, dout))
+    q, kr, vr, scale, g = _prepare(q, k, v, scale)
+    dout = np.asarray(dout, dtype=np.float64)
+    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, rnd)
+    z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
+    pd = p if z is None else rnd(p * z)
+    out = rnd(np.einsum("bhij,bhjd->bhid", pd, vr))
+    dv = np.einsum("bhij,bhid->bhjd", pd, dout)
+    dpd = rnd(np.einsum("bhid,bhjd->bhij", dout, vr))
+    dp = dpd if z is None else dpd * z
+    D = np.sum(dout * out, axis=-1, keepdims=True)
+    ds = rnd(p * (dp - D))
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
+    dk = scale * np.einsum("bhij,bhid->bhjd", ds, q)
+    B, _, Nk, d = kr.shape
+    dk = dk.reshape(B, Hkv, g, Nk, d).sum(axis=2)
+    dv = dv.reshape(B, Hkv, g, Nk, d).sum(axis=2)
+    return rnd(dq), rnd(dk), rnd(dv)

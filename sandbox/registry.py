@@ -1,0 +1,167 @@
+"""The variant registry: what each variant is, what it accepts, and the checks that run before a launch.
+
+A variant registers itself (`register(Variant(...))` at import of its module under variants/, or
+from another package through the `sandbox.variants` entry-point group). The sandbox discovers
+variant modules by walking those places; it never imports one by name.
+
+A variant's implementation object provides:
+    configure(**params) -> config        validated compile-time/launch parameters
+    check(problem, config, direction)    optional: config-specific envelope (shared memory, ...)
+    forward(problem, q, k, v, config) -> (out, lse)
+    backward(problem, dout, q, k, v, out, lse, config) -> (dq, dk, dv)
+    compile_units(config) -> [CompileUnit]   (CUDA backend: for the GPU-less compile report)
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from .problem import Problem
+
+TIER_OF_DTYPE = {"float32": "exact", "float16": "tensor-core", "bfloat16": "tensor-core"}
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    choices: tuple
+    default: object
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    backward: bool = True
+    causal: bool = True
+    window: bool = True
+    block_sparse: bool = True
+    dropout: bool = True
+    gqa: bool = True
+    dtypes: tuple = ("float32",)
+    head_dims: tuple = tuple(range(1, 257))
+
+    def summary(self) -> dict:
+        dims = self.head_dims
+        contiguous = list(dims) == list(range(dims[0], dims[-1] + 1))
+        return {"backward": self.backward, "causal": self.causal, "window": self.window,
+                "block_sparse": self.block_sparse, "dropout": self.dropout, "gqa": self.gqa,
+                "dtypes": list(self.dtypes),
+                "head_dims": f"{dims[0]}..{dims[-1]}" if contiguous else list(dims)}
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    family: str            # standard | fa1 | fa2 | ...
+    backend: str           # cuda | numba
+    description: str
+    impl: object = field(repr=False, compare=False)
+    params: tuple = ()
+    caps: Capabilities = Capabilities()
+    seed_ref: str = ""     # the seed algorithm it implements
+
+    def bind(self, **params) -> "BoundVariant":
+        known = {p.name: p for p in self.params}
+        for key, value in params.items():
+            if key not in known:
+                raise ValueError(f"variant {self.name!r} has no parameter {key!r}; "
+                                 f"it takes {sorted(known) or 'none'}")
+            if value not in known[key].choices:
+                raise ValueError(f"variant {self.name!r}: {key}={value!r} is not allowed; "
+                                 f"choose from {list(known[key].choices)}")
+        full = {p.name: params.get(p.name, p.default) for p in self.params}
+        return BoundVariant(self, full, self.impl.configure(**full))
+
+    def tiers(self) -> list[str]:
+        return sorted({TIER_OF_DTYPE[d] for d in self.caps.dtypes})
+
+
+@dataclass(frozen=True)
+class BoundVariant:
+    variant: Variant
+    params: dict
+    config: object
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.variant.name}({args})"
+
+    def check(self, problem: Problem, direction: str = "forward") -> None:
+        """Raise ValueError naming the variant and every capability the problem needs but it lacks."""
+        v, caps = self.variant, self.variant.caps
+        missing = []
+        if direction in ("backward", "both") and not caps.backward:
+            missing.append("backward pass")
+        if problem.dtype not in caps.dtypes:
+            missing.append(f"dtype {problem.dtype} (supports {', '.join(caps.dtypes)})")
+        if problem.d not in caps.head_dims:
+            missing.append(f"head dim {problem.d} (supports {Capabilities(head_dims=caps.head_dims).summary()['head_dims']})")
+        if problem.causal and not caps.causal:
+            missing.append("causal masking")
+        if problem.window is not None and not caps.window:
+            missing.append("sliding-window masking")
+        if problem.block_mask is not None and not caps.block_sparse:
+            missing.append("block-sparse masking")
+        if problem.dropout_p > 0 and not caps.dropout:
+            missing.append("dropout")
+        if problem.Hq != problem.Hkv and not caps.gqa:
+            missing.append("GQA/MQA (Hq != Hkv)")
+        if missing:
+            raise ValueError(f"variant {v.name!r} ({self!r}) does not support: " + "; ".join(missing))
+        extra = getattr(v.impl, "check", None)
+        if extra is not None:
+            extra(problem, self.config, direction)
+
+
+_REGISTRY: dict[str, Variant] = {}
+_discovered = False
+
+
+def register(variant: Variant) -> Variant:
+    if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
+        raise ValueError(f"variant {variant.name!r} is already registered")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def _discover() -> None:
+    """Import every module of the in-tree `variants` package and every entry point plugin."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module("variants")
+    for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+    for ep in entry_points(group="sandbox.variants"):
+        ep.load()
+
+
+def all_variants() -> dict[str, Variant]:
+    _discover()
+    return dict(_REGISTRY)
+
+
+def get_variant(name, **params) -> BoundVariant:
+    if isinstance(name, BoundVariant):
+        return name if not params else name.variant.bind(**{**name.params, **params})
+    _discover()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown variant {name!r}; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name].bind(**params)
+
+
+def variants() -> list[dict]:
+    """Registered variants with family, backend, tiers, parameters and capabilities."""
+    rows = []
+    for v in all_variants().values():
+        rows.append({"name": v.name, "family": v.family, "backend": v.backend, "tiers": v.tiers(),
+                     "params": {p.name: {"choices": list(p.choices), "default": p.default} for p in v.params},
+                     "capabilities": v.caps.summary(), "seed": v.seed_ref, "description": v.description})
+    return rows

@@ -1,0 +1,63 @@
+"""The DESIGN.md tolerance rule, per dtype, against the float64 oracle.
+
+exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|)
+tensor-core tier (16-bit): max|kernel - oracle64| <= k * max|naive - oracle64| + floor
+                           k = 2 for out and lse, 3 for gradients; naive = the oracle in the
+                           kernel's precision; floor = eps(dtype) * max|oracle64| (rounding noise
+                           of the dtype at the output's magnitude).
+Non-finite entries must match exactly (dead rows: lse = -inf); NaN never passes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .precision import EPS
+
+EXACT_RTOL = 1e-5
+TC_FACTOR = {"out": 2.0, "lse": 2.0, "grad": 3.0}
+
+
+@dataclass
+class Verdict:
+    name: str
+    ok: bool
+    err: float
+    tol: float
+    why: str = ""
+
+    def __str__(self):
+        status = "ok" if self.ok else "FAIL"
+        return f"{self.name}: {status} err={self.err:.3g} tol={self.tol:.3g} {self.why}".rstrip()
+
+
+def _finite_parts(got, ref, name):
+    got = np.asarray(got, np.float64)
+    ref = np.asarray(ref, np.float64)
+    if got.shape != ref.shape:
+        return None, None, f"shape {got.shape} != oracle {ref.shape}"
+    if np.isnan(got).any():
+        return None, None, f"{int(np.isnan(got).sum())} NaN"
+    fin_ref, fin_got = np.isfinite(ref), np.isfinite(got)
+    if not np.array_equal(fin_ref, fin_got) or not np.array_equal(got[~fin_got], ref[~fin_ref]):
+        return None, None, f"{int((fin_ref != fin_got).sum())} non-finite mismatches"
+    return got[fin_ref], ref[fin_ref], ""
+
+
+def compare(name, got, ref, dtype, naive=None, role="out") -> Verdict:
+    g, r, why = _finite_parts(got, ref, name)
+    if g is None:
+        return Verdict(name, False, float("inf"), 0.0, why)
+    if g.size == 0:
+        return Verdict(name, True, 0.0, 0.0)
+    err = float(np.max(np.abs(g - r)))
+    mag = float(np.max(np.abs(r)))
+    if dtype == "float32":
+        tol = EXACT_RTOL * max(1.0, mag)
+    else:
+        if naive is None:
+            raise ValueError("the tensor-core tier needs the same-precision naive reference")
+        n = np.asarray(naive, np.float64)[np.isfinite(np.asarray(ref, np.float64))]
+        tol = TC_FACTOR[role] * float(np.max(np.abs(n - r))) + EPS[dtype] * mag
+    return Verdict(name, err <= tol, err, tol)

@@ -1,0 +1,2 @@
+"""Variant families. Each module here registers its variants on import (sandbox.registry walks
+this package); nothing else imports them by name."""
