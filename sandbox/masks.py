@@ -102,7 +102,7 @@ def _band_classes(band: Band, r0, r1, c0, c1):
     """Per rectangle rows [r0, r1) x cols [c0, c1): (empty, full) under the band (arrays)."""
     dmin = c0 - (r1 - 1)
     dmax = (c1 - 1) - r0
-    empty = (dmax < band.lo) | (dmin > band.hi)
+    empty = (dmax < band.lo) | (dmin > band.hi) | (band.lo > band.hi)
     full = (dmin >= band.lo) & (dmax <= band.hi)
     return empty, full
 

@@ -1,0 +1,42 @@
+"""Compile every registered CUDA variant without a GPU (NVRTC via cuda.bindings) and report
+registers, spills, stack and shared memory per kernel and architecture."""
+from __future__ import annotations
+
+from . import loader
+from .registry import all_variants
+
+ARCHS = ("sm_80", "sm_90")
+SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}   # max shared memory per block (opt-in)
+
+
+def units():
+    """(variant name, params, CompileUnit) for every CUDA variant and every config it lists."""
+    for v in all_variants().values():
+        if v.backend != "cuda":
+            continue
+        for params in getattr(v.impl, "report_configs", lambda: [{}])():
+            bound = v.bind(**params)
+            for unit in v.impl.compile_units(bound.config):
+                yield v.name, bound, unit
+
+
+def report(archs=ARCHS):
+    rows = []
+    for name, bound, unit in units():
+        for arch in archs:
+            for r in loader.compile_only(unit, arch):
+                tuned = getattr(bound.variant.impl, "tuned", lambda c: True)(bound.config)
+                rows.append({"variant": name, "config": repr(bound), "unit": unit.label, "kernel": r.name,
+                             "arch": arch, "registers": r.registers, "spill_stores": r.spill_stores,
+                             "spill_loads": r.spill_loads, "stack": r.stack, "static_smem": r.static_smem,
+                             "dynamic_smem": r.dynamic_smem, "smem_limit": SMEM_LIMIT[arch], "tuned": tuned})
+    return rows
+
+
+def markdown(rows) -> str:
+    head = "| variant | kernel | arch | regs | spill st/ld | stack | smem (static+dyn) |\n|---|---|---|---|---|---|---|"
+    lines = [head]
+    for r in rows:
+        lines.append(f"| {r['variant']} | `{r['kernel']}` | {r['arch']} | {r['registers']} | "
+                     f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['static_smem']}+{r['dynamic_smem']} |")
+    return "\n".join(lines)

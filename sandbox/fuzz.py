@@ -1,0 +1,136 @@
+"""Fuzz a variant against the oracle: Hypothesis strategies for problems a variant claims to
+support, and the check of one case under the DESIGN.md tolerance rule.
+
+Awkward inputs on purpose: length 1, lengths that are not tile multiples, Nq != Nk, rows that see
+no key (causal with Nq > Nk, narrow windows, sparse layouts), large logits and a non-zero mean.
+Used by tests/ (CPU simulator and GPU suites) and by `python -m sandbox fuzz`.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import api, oracle, tolerance
+from .masks import BlockSparse
+from .registry import BoundVariant
+
+EXAMPLES = Counter()          # examples checked, per "variant/dtype/direction" (for the reports)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size envelope of generated problems."""
+
+    max_n: int = 300
+    max_batch_heads: int = 6
+    dims: tuple = (1, 3, 8, 16, 32, 40, 64, 96, 128)
+
+    @classmethod
+    def simulator(cls):
+        return cls(max_n=6, max_batch_heads=2, dims=(1, 2, 4))
+
+
+@dataclass
+class Case:
+    B: int
+    Hq: int
+    Hkv: int
+    Nq: int
+    Nk: int
+    d: int
+    dtype: str
+    options: dict
+    data_seed: int
+    logit_scale: float = 1.0
+    mean: float = 0.0
+
+    def inputs(self):
+        """q, k, v, dout as NumPy arrays of the case's dtype (deterministic in data_seed)."""
+        rng = np.random.default_rng(self.data_seed)
+        npdt = np.float32 if self.dtype == "float32" else np.float16
+        q = rng.standard_normal((self.B, self.Hq, self.Nq, self.d)) * self.logit_scale + self.mean
+        k = rng.standard_normal((self.B, self.Hkv, self.Nk, self.d)) + self.mean
+        v = rng.standard_normal((self.B, self.Hkv, self.Nk, self.d)) + self.mean
+        dout = rng.standard_normal((self.B, self.Hq, self.Nq, self.d))
+        return tuple(x.astype(npdt) for x in (q, k, v, dout))
+
+
+def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits()):
+    """Hypothesis strategy of Cases within `bound`'s capabilities and `limits`."""
+    from hypothesis import strategies as st
+
+    caps = bound.variant.caps
+    dims = [d for d in limits.dims if d in caps.head_dims] or [caps.head_dims[0]]
+    # 16-bit inputs: keep fp16 scores finite; fp32 gets genuinely large logits.
+    big = 30.0 if dtype == "float32" else 4.0
+
+    @st.composite
+    def build(draw):
+        n_small = st.integers(1, min(8, limits.max_n))
+        length = st.one_of(n_small, st.integers(1, limits.max_n))
+        Nq, Nk, d = draw(length), draw(length), draw(st.sampled_from(dims))
+        heads = draw(st.sampled_from([1, 2, 3, 4]))
+        group = draw(st.sampled_from([1, 2, heads])) if caps.gqa else 1
+        Hkv = max(1, heads // group) if heads % group == 0 else heads
+        Hq = Hkv * (heads // Hkv)
+        B = draw(st.integers(1, max(1, limits.max_batch_heads // Hq)))
+        opts = {}
+        if caps.causal and draw(st.booleans()):
+            opts["causal"] = True
+        if caps.window and draw(st.integers(0, 3)) == 0:
+            side = st.one_of(st.none(), st.integers(0, max(Nq, Nk)))
+            opts["window"] = (draw(side), draw(side))
+        if caps.block_sparse and draw(st.integers(0, 3)) == 0:
+            bq, bk = draw(st.integers(1, max(1, Nq))), draw(st.integers(1, max(1, Nk)))
+            hm = draw(st.sampled_from([1, Hq]))
+            shape = (hm, -(-Nq // bq), -(-Nk // bk))
+            density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+            layout = np.random.default_rng(draw(st.integers(0, 2**31))).random(shape) < density
+            opts["block_mask"] = BlockSparse(layout, (bq, bk))
+        if caps.dropout and draw(st.integers(0, 2)) == 0:
+            opts["dropout_p"] = draw(st.sampled_from([0.1, 0.5, 0.9]))
+            opts["seed"] = draw(st.integers(0, 2**64 - 1))
+            opts["offset"] = draw(st.integers(0, 2**32 - 1))
+        if draw(st.integers(0, 4)) == 0:
+            opts["scale"] = draw(st.sampled_from([0.05, 1.0, 2.5]))
+        logit_scale = draw(st.sampled_from([1.0, 1.0, big]))
+        mean = draw(st.sampled_from([0.0, 0.0, 0.5]))
+        return Case(B, Hq, Hkv, Nq, Nk, d, dtype, opts, draw(st.integers(0, 2**31)), logit_scale, mean)
+
+    return build()
+
+
+def check_case(bound: BoundVariant, case: Case, direction: str = "forward") -> list[tolerance.Verdict]:
+    """Run the variant on the case and compare with the oracle; one Verdict per output."""
+    q, k, v, dout = case.inputs()
+    kw = dict(case.options)
+    rounds = bound.params.get("philox_rounds", 10)
+    res = api.forward(q, k, v, variant=bound, **kw)
+    ref_out, ref_lse = oracle.forward(q, k, v, philox_rounds=rounds, **kw)
+    naive = {}
+    if case.dtype != "float32":
+        naive["out"], naive["lse"] = oracle.forward(q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
+    verdicts = [tolerance.compare("out", _host(res.out), ref_out, case.dtype, naive.get("out"), "out"),
+                tolerance.compare("lse", _host(res.lse), ref_lse, case.dtype, naive.get("lse"), "lse")]
+    if direction == "backward":
+        grads = api.backward(dout, res)
+        refs = oracle.backward(dout, q, k, v, philox_rounds=rounds, **kw)
+        naives = (oracle.backward(dout, q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
+                  if case.dtype != "float32" else (None,) * 3)
+        for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+            verdicts.append(tolerance.compare(name, _host(g), r, case.dtype, n, "grad"))
+    EXAMPLES[f"{bound.name}/{case.dtype}/{direction}"] += 1
+    return verdicts
+
+
+def assert_case(bound, case, direction="forward"):
+    verdicts = check_case(bound, case, direction)
+    bad = [str(v) for v in verdicts if not v.ok]
+    assert not bad, f"{bound!r} {direction} on {case}: " + "; ".join(bad)
+
+
+def _host(x):
+    from .arrays import to_host
+    return to_host(x)

@@ -1,0 +1,46 @@
+"""Hypothesis profiles, the gpu marker, and the example counts printed at the end of a run.
+
+Profiles (HYPOTHESIS_PROFILE, default `ci` under CI=true, else `dev`):
+    ci        small and derandomised: the same examples every run, fast on 2 cores
+    dev       a little more, random
+    gpu       the GPU suite: enough examples per test for the issue's totals
+    thorough  long fuzzing sessions
+deadline=None everywhere: the first call of a kernel compiles it.
+"""
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from sandbox import fuzz
+from sandbox.device import cupy_or_none
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=50, **_common)
+settings.register_profile("gpu", max_examples=int(os.environ.get("GPU_EXAMPLES", "150")), print_blob=True, **_common)
+settings.register_profile("thorough", max_examples=2000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if cupy_or_none() is not None:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy (run `pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not fuzz.EXAMPLES:
+        return
+    total = sum(fuzz.EXAMPLES.values())
+    terminalreporter.write_sep("-", f"oracle-checked examples: {total}")
+    for key, n in sorted(fuzz.EXAMPLES.items()):
+        terminalreporter.write_line(f"  {key:45s} {n}")
+    path = os.environ.get("FUZZ_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"total": total, "by_variant": dict(fuzz.EXAMPLES)}, f, indent=1)

@@ -1,0 +1,40 @@
+"""Compile-only build of every registered CUDA variant for sm_80 and sm_90 (no GPU needed).
+
+Fails on a compile error, on register spills in any config marked tuned, or on shared memory above
+the architecture's per-block limit."""
+import pytest
+
+from sandbox import compile_report
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for the NVRTC compile check")
+
+ROWS = None
+
+
+def rows():
+    global ROWS
+    if ROWS is None:
+        ROWS = compile_report.report()
+    return ROWS
+
+
+def test_every_cuda_variant_compiles_for_every_arch():
+    names = {r["variant"] for r in rows()}
+    expected = {name for name, _, _ in compile_report.units()}
+    assert expected and names == expected
+    assert {r["arch"] for r in rows()} == set(compile_report.ARCHS)
+
+
+def test_no_spills_in_tuned_configs():
+    spills = [r for r in rows() if r["tuned"] and (r["spill_stores"] or r["spill_loads"])]
+    assert not spills, compile_report.markdown(spills)
+
+
+def test_shared_memory_within_the_device_limit():
+    over = [r for r in rows() if r["static_smem"] + r["dynamic_smem"] > r["smem_limit"]]
+    assert not over, compile_report.markdown(over)
+
+
+def test_report_renders():
+    text = compile_report.markdown(rows())
+    assert "standard_gemm" in text and text.count("\n") == len(rows()) + 1

@@ -1,0 +1,120 @@
+"""The oracle against closed forms, identities and finite differences."""
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from sandbox import dropout_mask, oracle
+from sandbox.masks import BlockSparse, element_mask
+from sandbox.precision import round_to
+
+
+def rand(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+def test_uniform_keys_give_the_mean_of_visible_values():
+    q = np.ones((1, 1, 3, 2)); k = np.ones((1, 1, 5, 2)); v = np.arange(10.0).reshape(1, 1, 5, 2)
+    out, lse = oracle.forward(q, k, v, window=(1, 0))          # shift 2: row i sees keys i+1, i+2
+    for i in range(3):
+        np.testing.assert_allclose(out[0, 0, i], v[0, 0, i + 1:i + 3].mean(0))
+    np.testing.assert_allclose(lse[0, 0], 2 / np.sqrt(2) + np.log(2))
+
+
+@given(st.integers(0, 10**6), st.booleans(), st.integers(1, 9), st.integers(1, 9))
+def test_lse_and_rows_against_direct_formula(seed, causal, Nq, Nk):
+    rng = np.random.default_rng(seed)
+    q, k, v = rand(rng, 1, 2, Nq, 3), rand(rng, 1, 2, Nk, 3), rand(rng, 1, 2, Nk, 3)
+    out, lse = oracle.forward(q, k, v, causal=causal, scale=0.7)
+    vis = element_mask(2, Nq, Nk, causal)[0]
+    for h in range(2):
+        for i in range(Nq):
+            s = 0.7 * k[0, h] @ q[0, h, i]
+            if not vis[i].any():
+                assert lse[0, h, i] == -np.inf and np.all(out[0, h, i] == 0)
+                continue
+            w = np.exp(s[vis[i]] - s[vis[i]].max())
+            np.testing.assert_allclose(lse[0, h, i], np.log(np.exp(s[vis[i]]).sum()), rtol=1e-12)
+            np.testing.assert_allclose(out[0, h, i], (w / w.sum()) @ v[0, h][vis[i]], rtol=1e-10, atol=1e-12)
+
+
+def test_gqa_equals_repeated_heads():
+    rng = np.random.default_rng(1)
+    q, k, v = rand(rng, 2, 4, 5, 3), rand(rng, 2, 2, 6, 3), rand(rng, 2, 2, 6, 3)
+    kr, vr = np.repeat(k, 2, 1), np.repeat(v, 2, 1)
+    for a, b in zip(oracle.forward(q, k, v, causal=True), oracle.forward(q, kr, vr, causal=True)):
+        np.testing.assert_array_equal(a, b)
+    dout = rand(rng, 2, 4, 5, 3)
+    dq, dk, dv = oracle.backward(dout, q, k, v)
+    dq2, dk2, dv2 = oracle.backward(dout, q, kr, vr)
+    np.testing.assert_allclose(dq, dq2)
+    np.testing.assert_allclose(dk, dk2.reshape(2, 2, 2, 6, 3).sum(2))
+    np.testing.assert_allclose(dv, dv2.reshape(2, 2, 2, 6, 3).sum(2))
+
+
+def test_dropout_uses_the_mask_contract():
+    rng = np.random.default_rng(2)
+    q, k, v = rand(rng, 1, 2, 4, 3), rand(rng, 1, 2, 7, 3), rand(rng, 1, 2, 7, 3)
+    out, _ = oracle.forward(q, k, v, dropout_p=0.25, seed=77, offset=3)
+    s = np.einsum("bhid,bhjd->bhij", q, k) / np.sqrt(3)
+    p = np.exp(s - s.max(-1, keepdims=True)); p /= p.sum(-1, keepdims=True)
+    z = dropout_mask((1, 2, 4, 7), 0.25, 77, 3) / 0.75
+    np.testing.assert_allclose(out, np.einsum("bhij,bhjd->bhid", p * z, v))
+
+
+def test_block_sparse_matches_explicit_element_mask_through_window():
+    """A block mask and an equivalent window give the same result."""
+    rng = np.random.default_rng(3)
+    q, k, v = rand(rng, 1, 1, 8, 2), rand(rng, 1, 1, 8, 2), rand(rng, 1, 1, 8, 2)
+    layout = np.tril(np.ones((1, 8, 8), bool))              # 1 x 1 blocks: the causal mask
+    a = oracle.forward(q, k, v, block_mask=BlockSparse(layout, (1, 1)))
+    b = oracle.forward(q, k, v, causal=True)
+    np.testing.assert_allclose(a[0], b[0]); np.testing.assert_allclose(a[1], b[1])
+
+
+def _loss(q, k, v, dout, kw):
+    return float(np.sum(oracle.forward(q, k, v, **kw)[0] * dout))
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"causal": True}, {"window": (1, 2)}, {"dropout_p": 0.4, "seed": 5},
+    {"causal": True, "block_mask": BlockSparse(np.array([[[1, 0], [1, 1], [0, 1]]], bool), (2, 3))},
+])
+def test_backward_matches_finite_differences(kw):
+    rng = np.random.default_rng(4)
+    q, k, v = rand(rng, 1, 2, 5, 3), rand(rng, 1, 1, 6, 3), rand(rng, 1, 1, 6, 3)
+    dout = rand(rng, 1, 2, 5, 3)
+    grads = oracle.backward(dout, q, k, v, **kw)
+    eps = 1e-6
+    for x, g in zip((q, k, v), grads):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            xp, xm = x.copy(), x.copy()
+            xp[idx] += eps; xm[idx] -= eps
+            args_p = [xp if y is x else y for y in (q, k, v)]
+            args_m = [xm if y is x else y for y in (q, k, v)]
+            num[idx] = (_loss(*args_p, dout, kw) - _loss(*args_m, dout, kw)) / (2 * eps)
+        np.testing.assert_allclose(g, num, rtol=1e-5, atol=1e-7)
+
+
+def test_dead_rows_have_zero_gradients():
+    rng = np.random.default_rng(5)
+    q, k, v = rand(rng, 1, 1, 4, 2), rand(rng, 1, 1, 2, 2), rand(rng, 1, 1, 2, 2)
+    dq, dk, dv = oracle.backward(rand(rng, 1, 1, 4, 2), q, k, v, causal=True)   # rows 0, 1 dead
+    assert np.all(dq[0, 0, :2] == 0) and np.isfinite(dq).all() and np.isfinite(dk).all()
+
+
+def test_same_precision_mode_rounds_to_the_dtype():
+    rng = np.random.default_rng(6)
+    q, k, v = rand(rng, 1, 1, 16, 8), rand(rng, 1, 1, 16, 8), rand(rng, 1, 1, 16, 8)
+    exact, _ = oracle.forward(q, k, v)
+    for dtype, eps in (("float16", 2**-10), ("bfloat16", 2**-7)):
+        naive, _ = oracle.forward(q, k, v, precision=dtype)
+        assert np.array_equal(naive, round_to(naive, dtype))
+        err = np.abs(naive - exact).max()
+        assert 0 < err < 20 * eps
+
+
+def test_bfloat16_rounding_is_nearest_even():
+    assert round_to(1 + 2**-8, "bfloat16") == 1.0                 # tie -> even
+    assert round_to(1 + 3 * 2**-8, "bfloat16") == 1 + 2**-6       # tie -> even (up)
+    assert round_to(1 + 2**-8 + 2**-12, "bfloat16") == 1 + 2**-7

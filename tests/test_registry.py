@@ -1,0 +1,91 @@
+"""Registry, capabilities and input validation: every rejection is a ValueError before any launch.
+
+These run without a GPU: a request that got past validation would fail with RuntimeError (no
+device), so a ValueError here proves the check happens before anything is launched.
+"""
+import numpy as np
+import pytest
+
+import sandbox
+from sandbox.masks import BlockSparse
+
+
+def qkv(B=1, Hq=2, Hkv=2, Nq=4, Nk=5, d=8, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((B, Hq, Nq, d)).astype(dtype), rng.standard_normal((B, Hkv, Nk, d)).astype(dtype),
+            rng.standard_normal((B, Hkv, Nk, d)).astype(dtype))
+
+
+def test_registry_lists_variants_with_capabilities():
+    rows = {r["name"]: r for r in sandbox.variants()}
+    assert {"standard", "numba-rowwise"} <= set(rows)
+    for r in rows.values():
+        assert r["backend"] in ("cuda", "numba") and r["family"] and r["capabilities"]["dtypes"]
+    assert rows["standard"]["params"]["philox_rounds"]["choices"] == [10, 7]
+
+
+def test_get_variant_validates_parameters():
+    assert sandbox.get_variant("standard", philox_rounds=7).params == {"philox_rounds": 7}
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        sandbox.get_variant("nope")
+    with pytest.raises(ValueError, match="no parameter 'block_r'"):
+        sandbox.get_variant("standard", block_r=64)
+    with pytest.raises(ValueError, match="philox_rounds=8 is not allowed"):
+        sandbox.get_variant("standard", philox_rounds=8)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v: (q[0], k, v), "4-D"),
+    (lambda q, k, v: (q, k, v[:, :, :3]), "same shape"),
+    (lambda q, k, v: (q[..., :4], k, v), "does not match"),
+    (lambda q, k, v: (q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)), "dtype float64 is not supported"),
+    (lambda q, k, v: (q.astype(np.float16), k, v), "share a dtype"),
+    (lambda q, k, v: (q[:, :2], k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1)), "multiple of Hkv"),
+    (lambda q, k, v: (q[:, :, :0], k, v), ">= 1"),
+    (lambda q, k, v: ([[1.0]], k, v), "4-D|shape"),
+])
+def test_bad_shapes_and_dtypes(mutate, match):
+    with pytest.raises(ValueError, match=match):
+        sandbox.forward(*mutate(*qkv()), variant="standard")
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"dropout_p": 1.0}, "dropout_p"), ({"dropout_p": -0.1}, "dropout_p"),
+    ({"seed": -1}, "seed"), ({"seed": 2**64}, "seed"), ({"offset": 2**32}, "offset"),
+    ({"window": (1,)}, "window"), ({"window": (1.5, None)}, "window"), ({"scale": float("inf")}, "scale"),
+    ({"block_mask": np.ones((1, 4, 5), bool)}, "BlockSparse"),
+    ({"block_mask": BlockSparse(np.ones((1, 3, 5), bool), (1, 1))}, "layout has shape"),
+    ({"block_mask": BlockSparse(np.ones((3, 4, 5), bool), (1, 1))}, "layout has shape"),
+])
+def test_bad_options(kw, match):
+    with pytest.raises(ValueError, match=match):
+        sandbox.forward(*qkv(), variant="standard", **kw)
+
+
+def test_capabilities_are_checked_before_launch():
+    q, k, v = qkv(dtype=np.float16)
+    with pytest.raises(ValueError, match="'numba-rowwise'.*dtype float16"):
+        sandbox.forward(q, k, v, variant="numba-rowwise")
+    q, k, v = qkv(d=300)
+    with pytest.raises(ValueError, match="'standard'.*head dim 300"):
+        sandbox.forward(q, k, v, variant="standard")
+
+
+def test_backward_input_checks():
+    q, k, v = qkv()
+    res = sandbox.forward(q, k, v, variant="numba-rowwise")
+    with pytest.raises(ValueError, match="dout has shape"):
+        sandbox.backward(q[:, :, :2], res)
+    with pytest.raises(ValueError, match="dout has dtype"):
+        sandbox.backward(q.astype(np.float16), res)
+    with pytest.raises(ValueError, match="either the forward Result"):
+        sandbox.backward(q, variant="numba-rowwise", q=q, k=k, v=v)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        sandbox.backward(q, variant="numba-rowwise", q=q, k=k, v=v, out=q, lse=np.zeros((1, 2, 3), np.float32))
+
+
+def test_non_unit_stride_along_d_is_rejected():
+    q, k, v = qkv()
+    q_t = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)   # same shape, d-stride != 1
+    with pytest.raises(ValueError, match="unit stride along d"):
+        sandbox.forward(q_t, k, v, variant="numba-rowwise")
