@@ -1,0 +1,65 @@
+"""Timing method (used by `python -m sandbox run` and bench/):
+
+- GPU: CUDA events around each call on the current stream; `warmup` untimed calls first (the first
+  includes the NVRTC/Numba compile); between repetitions the L2 cache is flushed by writing a
+  buffer twice its size (outside the timed region); the median of `reps` is reported with the
+  10th and 90th percentiles.
+- Simulator (no GPU): wall-clock of the Python simulation, reported as such; not a GPU figure.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .device import cupy_or_none
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    reps: int
+    clock: str          # "cuda-events" or "wall (simulator)"
+
+
+def _l2_flusher(cp):
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["l2CacheSize"]
+    buf = cp.empty(max(2 * int(l2), 1 << 20), dtype=cp.uint8)
+    return lambda: buf.fill(0)
+
+
+def time_fn(fn, warmup: int = 3, reps: int = 20, flush_l2: bool = True) -> Timing:
+    cp = cupy_or_none()
+    if cp is None:
+        fn()
+        samples = []
+        for _ in range(max(1, reps // 4)):
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+        return _summary(samples, "wall (simulator)")
+    flush = _l2_flusher(cp) if flush_l2 else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for _ in range(reps):
+        flush()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop))
+    return _summary(samples, "cuda-events")
+
+
+def _summary(samples, clock):
+    s = np.asarray(samples)
+    return Timing(float(np.median(s)), float(np.percentile(s, 10)), float(np.percentile(s, 90)), len(s), clock)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
