@@ -96,3 +96,29 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
     dk = dk.reshape(B, Hkv, g, Nk, d).sum(axis=2)
     dv = dv.reshape(B, Hkv, g, Nk, d).sum(axis=2)
     return rnd(dq), rnd(dk), rnd(dv)
+
+
+def gradient_term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
+                         window=None, block_mask=None, philox_rounds=10):
+    """max over elements of the sum of |terms| in each gradient: (dq, dk, dv) magnitudes.
+
+    A float32 kernel's rounding error in a sum is bounded by eps * sum|terms|, not by eps * |sum|:
+    dS = P * (dP - D) cancels when dP ~ D, so a gradient can be ~0 while its terms are large. The
+    exact-tier tolerance for gradients scales with these bounds (sandbox/tolerance.py).
+    """
+    Hkv = np.shape(k)[1]
+    q, kr, vr, scale, g = _prepare(q, k, v, scale)
+    dout = np.asarray(dout, dtype=np.float64)
+    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
+    zz = 1.0 if z is None else z
+    pd = p * zz
+    out = np.einsum("bhij,bhjd->bhid", pd, vr)
+    dp_abs = np.einsum("bhid,bhjd->bhij", np.abs(dout), np.abs(vr)) * zz
+    D_abs = np.sum(np.abs(dout * out), axis=-1, keepdims=True)
+    ds_abs = p * (dp_abs + D_abs)
+    B, _, Nk, d = kr.shape
+    dq = scale * np.einsum("bhij,bhjd->bhid", ds_abs, np.abs(kr))
+    dk = (scale * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)
+    dv = np.einsum("bhij,bhid->bhjd", pd, np.abs(dout)).reshape(B, Hkv, g, Nk, d).sum(2)
+    return tuple(float(x.max()) if x.size else 0.0 for x in (dq, dk, dv))

@@ -1,6 +1,11 @@
 """The DESIGN.md tolerance rule, per dtype, against the float64 oracle.
 
-exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|)
+exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|, terms)
+                           terms = 0 for out and lse; for a gradient, the largest sum of |terms|
+                           (oracle.gradient_term_bounds). Why: dS = P * (dP - D) cancels, so a
+                           gradient near 0 can be built from O(|q| * scale) terms, and no float32
+                           summation is closer than eps * sum|terms| (seen: Nq = Nk = 1, q ~ 30,
+                           dK exact 0, kernel 1.3e-5). DESIGN.md's rule is the terms = 0 case.
 tensor-core tier (16-bit): max|kernel - oracle64| <= k * max|naive - oracle64| + floor
                            k = 2 for out and lse, 3 for gradients; naive = the oracle in the
                            kernel's precision; floor = eps(dtype) * max|oracle64| (rounding noise
@@ -45,7 +50,7 @@ def _finite_parts(got, ref, name):
     return got[fin_ref], ref[fin_ref], ""
 
 
-def compare(name, got, ref, dtype, naive=None, role="out") -> Verdict:
+def compare(name, got, ref, dtype, naive=None, role="out", terms=0.0) -> Verdict:
     g, r, why = _finite_parts(got, ref, name)
     if g is None:
         return Verdict(name, False, float("inf"), 0.0, why)
@@ -54,7 +59,7 @@ def compare(name, got, ref, dtype, naive=None, role="out") -> Verdict:
     err = float(np.max(np.abs(g - r)))
     mag = float(np.max(np.abs(r)))
     if dtype == "float32":
-        tol = EXACT_RTOL * max(1.0, mag)
+        tol = EXACT_RTOL * max(1.0, mag, terms)
     else:
         if naive is None:
             raise ValueError("the tensor-core tier needs the same-precision naive reference")

@@ -118,3 +118,12 @@ def test_bfloat16_rounding_is_nearest_even():
     assert round_to(1 + 2**-8, "bfloat16") == 1.0                 # tie -> even
     assert round_to(1 + 3 * 2**-8, "bfloat16") == 1 + 2**-6       # tie -> even (up)
     assert round_to(1 + 2**-8 + 2**-12, "bfloat16") == 1 + 2**-7
+
+
+def test_gradient_term_bounds_dominate_the_gradients():
+    rng = np.random.default_rng(7)
+    q, k, v, dout = rand(rng, 1, 2, 5, 3), rand(rng, 1, 1, 6, 3), rand(rng, 1, 1, 6, 3), rand(rng, 1, 2, 5, 3)
+    grads = oracle.backward(dout, q, k, v, causal=True, dropout_p=0.3, seed=1)
+    bounds = oracle.gradient_term_bounds(dout, q, k, v, causal=True, dropout_p=0.3, seed=1)
+    for g, b in zip(grads, bounds):
+        assert np.abs(g).max() <= b * (1 + 1e-12)
