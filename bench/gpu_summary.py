@@ -29,11 +29,10 @@ if (out / "fuzz.json").exists():
     lines += [f"  - {k}: {n}" for k, n in sorted(fz["by_variant"].items())]
 failed = re.findall(r"^FAILED (.*)$", log, re.M)
 lines += [f"- FAILED {f}" for f in failed]
-lines += ["", "## Sanitizer", "", "```", read("sanitizer.txt").strip(), "```", ""]
+lines += ["", "## Sanitizer", "", "```", read("sanitizer.txt").strip(), "```", ""]   # verdict lines
 comp = read("compile.md")
 lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp.strip() else "", ""]
-for name, title in (("run.md", "Benchmark (non-causal)"), ("run_causal.md", "Benchmark (causal)")):
-    text = read(name)
-    table = [l for l in text.splitlines() if l.startswith("|") or l.startswith("problem:")]
-    lines += [f"## {title}", "", *table, ""]
+table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").splitlines()
+         if l.startswith("|") or l.startswith("problem:")]
+lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
 print("\n".join(lines))

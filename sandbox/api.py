@@ -38,10 +38,7 @@ def _resolve(variant, params) -> BoundVariant:
 
 def _backend_arrays(bound: BoundVariant, xs, names):
     impl = bound.variant.impl
-    converted = [impl.to_backend(x) for x in xs]
-    for x, name in zip(converted, names):
-        arrays.check_unit_stride_d(x, name)
-    return converted
+    return [impl.to_backend(x, name) for x, name in zip(xs, names)]
 
 
 def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
@@ -83,7 +80,7 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
         bound = _resolve(variant, params)
         problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask)
         qb, kb, vb, ob = _backend_arrays(bound, (q, k, v, out), ("q", "k", "v", "out"))
-        lb = bound.variant.impl.to_backend(lse)
+        lb = bound.variant.impl.to_backend(lse, "lse")
         if tuple(ob.shape) != (problem.B, problem.Hq, problem.Nq, problem.d):
             raise ValueError(f"out has shape {tuple(ob.shape)}, expected q's shape")
         if tuple(lb.shape) != (problem.B, problem.Hq, problem.Nq) or str(lb.dtype) != "float32":

@@ -25,8 +25,17 @@ def kind_of(x) -> str:
                      "__cuda_array_interface__ array")
 
 
-def to_device(x):
-    """A CuPy view (zero-copy) or copy (NumPy) of x on the current GPU."""
+def to_device(x, name="array"):
+    """A CuPy view (zero-copy) or copy (NumPy) of x on the current GPU, with unit stride along d.
+
+    CUDA kernels take strides but index d with unit stride; NumPy inputs are copied (contiguous),
+    device arrays are taken as they are and rejected if their last axis is strided."""
+    d = _to_device(x)
+    check_unit_stride_d(d, name)
+    return d
+
+
+def _to_device(x):
     cp = cupy_or_none()
     if cp is None:
         raise RuntimeError("CUDA arrays need a GPU with CuPy installed")

@@ -109,21 +109,20 @@ def check_case(bound: BoundVariant, case: Case, direction: str = "forward") -> l
     rounds = bound.params.get("philox_rounds", 10)
     res = api.forward(q, k, v, variant=bound, **kw)
     ref_out, ref_lse = oracle.forward(q, k, v, philox_rounds=rounds, **kw)
-    naive = {}
-    if case.dtype != "float32":
+    naive, terms = {}, {}
+    if case.dtype == "float32":
+        terms = oracle.term_bounds(dout, q, k, v, philox_rounds=rounds, **kw)
+    else:
         naive["out"], naive["lse"] = oracle.forward(q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
-    verdicts = [tolerance.compare("out", _host(res.out), ref_out, case.dtype, naive.get("out"), "out"),
-                tolerance.compare("lse", _host(res.lse), ref_lse, case.dtype, naive.get("lse"), "lse")]
+    verdicts = [tolerance.compare(name, _host(got), ref, case.dtype, naive.get(name), name, terms.get(name, 0.0))
+                for name, got, ref in (("out", res.out, ref_out), ("lse", res.lse, ref_lse))]
     if direction == "backward":
         grads = api.backward(dout, res)
         refs = oracle.backward(dout, q, k, v, philox_rounds=rounds, **kw)
-        if case.dtype == "float32":
-            naives, terms = (None,) * 3, oracle.gradient_term_bounds(dout, q, k, v, philox_rounds=rounds, **kw)
-        else:
-            naives = oracle.backward(dout, q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
-            terms = (0.0,) * 3
-        for name, g, r, n, t in zip(("dq", "dk", "dv"), grads, refs, naives, terms):
-            verdicts.append(tolerance.compare(name, _host(g), r, case.dtype, n, "grad", t))
+        naives = (oracle.backward(dout, q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
+                  if case.dtype != "float32" else (None,) * 3)
+        for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+            verdicts.append(tolerance.compare(name, _host(g), r, case.dtype, n, "grad", terms.get(name, 0.0)))
     EXAMPLES[f"{bound.name}/{case.dtype}/{direction}"] += 1
     return verdicts
 

@@ -161,23 +161,28 @@ def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
 
 
 def _parse_ptxas(log: str, lowered: dict, unit: CompileUnit, arch: str) -> list[KernelReport]:
-    reports, current = [], None
+    """Per entry: the 'Compiling entry function' / 'Function properties' line names it, the next
+    stack-frame and 'Used N registers' lines belong to it (the order of the two varies)."""
+    info: dict[str, dict] = {}
+    current = None
     for line in log.splitlines():
         if m := _PTXAS_ENTRY.search(line):
-            current = {"mangled": m.group(1)}
+            current = info.setdefault(m.group(1), {})
+        elif m := re.search(r"Function properties for (\w+)", line):
+            current = info.setdefault(m.group(1), {})
         elif current is not None and (m := _PTXAS_FRAME.search(line)):
             current.update(stack=int(m.group(1)), stores=int(m.group(2)), loads=int(m.group(3)))
         elif current is not None and (m := _PTXAS_USED.search(line)):
-            name = lowered.get(current["mangled"])
-            if name is not None:
-                reports.append(KernelReport(unit.label or unit.source, name, arch, int(m.group(1)),
-                                            current.get("stores", 0), current.get("loads", 0),
-                                            current.get("stack", 0), int(m.group(2) or 0),
-                                            int(unit.dynamic_smem.get(name, 0))))
-            current = None
-    missing = set(lowered.values()) - {r.name for r in reports}
-    if missing:
-        raise RuntimeError(f"no ptxas report for {sorted(missing)} in {unit.source}")
+            current.update(regs=int(m.group(1)), smem=int(m.group(2) or 0))
+    reports = []
+    for mangled, name in lowered.items():
+        r = info.get(mangled, {})
+        if "regs" not in r:
+            raise RuntimeError(f"no ptxas report for {name} ({mangled}) in {unit.source} for {arch}; "
+                               f"NVRTC log:\n{log[-3000:]}")
+        reports.append(KernelReport(unit.label or unit.source, name, arch, r["regs"], r.get("stores", 0),
+                                    r.get("loads", 0), r.get("stack", 0), r["smem"],
+                                    int(unit.dynamic_smem.get(name, 0))))
     return reports
 
 

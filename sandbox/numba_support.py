@@ -37,9 +37,9 @@ W0, W1 = 0x9E3779B9, 0xBB67AE85        # Weyl key increments
 U32 = 0xFFFFFFFF
 
 
-def to_backend(x):
-    """Host arrays under the simulator, CuPy views on a GPU."""
-    return arrays.to_host(x) if SIMULATOR else arrays.to_device(x)
+def to_backend(x, name="array"):
+    """Host arrays under the simulator, CuPy views on a GPU (Numba kernels take any strides)."""
+    return np.ascontiguousarray(arrays.to_host(x)) if SIMULATOR else arrays._to_device(x)
 
 
 def empty(shape, dtype):

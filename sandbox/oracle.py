@@ -98,18 +98,25 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
     return rnd(dq), rnd(dk), rnd(dv)
 
 
-def gradient_term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
-                         window=None, block_mask=None, philox_rounds=10):
-    """max over elements of the sum of |terms| in each gradient: (dq, dk, dv) magnitudes.
 
-    A float32 kernel's rounding error in a sum is bounded by eps * sum|terms|, not by eps * |sum|:
-    dS = P * (dP - D) cancels when dP ~ D, so a gradient can be ~0 while its terms are large. The
-    exact-tier tolerance for gradients scales with these bounds (sandbox/tolerance.py).
+def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
+                window=None, block_mask=None, philox_rounds=10) -> dict:
+    """Magnitudes of the terms behind each output, for the exact-tier tolerance (sandbox/tolerance.py).
+
+    A float32 kernel's rounding error in a sum is bounded by eps * sum|terms|, not eps * |sum|:
+    - scores: s = scale * q.k carries an error ~ eps * S_abs, S_abs = max scale * sum_c |q_c k_c|;
+      softmax turns it into a relative error of P, so out is off by ~ S_abs * max|v| * eps and
+      lse by ~ S_abs * eps (large logits);
+    - gradients: dS = P * (dP - D) cancels, so a gradient near 0 can be built from large terms;
+      its bound is the sum of |terms| (times max(1, S_abs) for the score error carried into P).
+    Returns {"out", "lse", "dq", "dk", "dv"} -> float.
     """
     Hkv = np.shape(k)[1]
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    s_abs_all = abs(scale) * np.einsum("bhid,bhjd->bhij", np.abs(q), np.abs(kr))
+    s_abs = float(np.where(vis, s_abs_all, 0.0).max()) if s_abs_all.size else 0.0
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     zz = 1.0 if z is None else z
     pd = p * zz
@@ -121,4 +128,7 @@ def gradient_term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0,
     dq = scale * np.einsum("bhij,bhjd->bhid", ds_abs, np.abs(kr))
     dk = (scale * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)
     dv = np.einsum("bhij,bhid->bhjd", pd, np.abs(dout)).reshape(B, Hkv, g, Nk, d).sum(2)
-    return tuple(float(x.max()) if x.size else 0.0 for x in (dq, dk, dv))
+    vmax = float(np.abs(vr).max()) * (float(np.max(zz)) if z is not None else 1.0)
+    amplify = max(1.0, s_abs)
+    grads = {n: (float(x.max()) if x.size else 0.0) * amplify for n, x in (("dq", dq), ("dk", dk), ("dv", dv))}
+    return {"out": s_abs * vmax, "lse": s_abs, **grads}

@@ -95,3 +95,12 @@ def test_array_types_and_strides(name):
     out_t = sandbox.attention(qt, kt, vt, variant=bound, causal=True)
     assert isinstance(out_t, torch.Tensor) and out_t.is_cuda
     np.testing.assert_allclose(out_t.cpu().numpy(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in all_variants().items() if v.backend == "cuda"))
+def test_device_arrays_strided_along_d_are_rejected(name):
+    import cupy as cp
+    q = cp.zeros((1, 1, 4, 8), cp.float32)
+    q_t = cp.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    with pytest.raises(ValueError, match="unit stride along d"):
+        sandbox.attention(q_t, q, q, variant=name)

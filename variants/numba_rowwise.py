@@ -212,8 +212,8 @@ class Rowwise:
     def configure(self, philox_rounds=10):
         return RowwiseConfig(philox_rounds)
 
-    def to_backend(self, x):
-        return nb.to_backend(x)
+    def to_backend(self, x, name="array"):
+        return nb.to_backend(x, name)
 
     def forward(self, p, q, k, v, config):
         out = nb.empty((p.B, p.Hq, p.Nq, p.d), np.float32)

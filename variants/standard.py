@@ -71,8 +71,8 @@ class Standard:
     def configure(self, philox_rounds=10):
         return StandardConfig(philox_rounds)
 
-    def to_backend(self, x):
-        return arrays.to_device(x)
+    def to_backend(self, x, name="array"):
+        return arrays.to_device(x, name)
 
     def compile_units(self, config):
         return [config.unit(dt) for dt in CTYPE]
