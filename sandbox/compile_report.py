@@ -33,6 +33,20 @@ def report(archs=ARCHS):
     return rows
 
 
+def report_in_subprocess(archs=ARCHS):
+    """report() in a fresh interpreter: once CuPy has loaded its own libnvrtc into a process, NVRTC
+    called through cuda.bindings there returned an empty log (seen on the GPU image), so the
+    compile-only check keeps its own process."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, "-m", "sandbox", "compile-report", "--arch", ",".join(archs),
+                        "--json", f.name], check=True, capture_output=True, text=True)
+        return json.load(open(f.name))
+
+
 def markdown(rows) -> str:
     head = "| variant | kernel | arch | regs | spill st/ld | stack | smem (static+dyn) |\n|---|---|---|---|---|---|---|"
     lines = [head]

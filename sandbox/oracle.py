@@ -40,7 +40,7 @@ def _probabilities(q, k, scale, causal, window, block_mask, rnd):
     """(P [B,H,Nq,Nk], lse [B,H,Nq], visible [Hm,Nq,Nk], S) in float64 with dead rows as zeros."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    s = rnd(rnd(np.einsum("bhid,bhjd->bhij", q, k)) * scale)
+    s = rnd(np.einsum("bhid,bhjd->bhij", q, k) * scale)      # one rounding, as a GEMM epilogue does
     vis = element_mask(H, Nq, Nk, causal, window, block_mask)[None]
     s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -105,10 +105,10 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
 
     A float32 kernel's rounding error in a sum is bounded by eps * sum|terms|, not eps * |sum|:
     - scores: s = scale * q.k carries an error ~ eps * S_abs, S_abs = max scale * sum_c |q_c k_c|;
-      softmax turns it into a relative error of P, so out is off by ~ S_abs * max|v| * eps and
-      lse by ~ S_abs * eps (large logits);
+      softmax turns it into a relative error of P, so out is off by ~ (1 + S_abs) * max|v| * eps
+      and lse by ~ (1 + S_abs) * eps (large logits);
     - gradients: dS = P * (dP - D) cancels, so a gradient near 0 can be built from large terms;
-      its bound is the sum of |terms| (times max(1, S_abs) for the score error carried into P).
+      its bound is the sum of |terms| times (1 + S_abs) for the score error carried into P.
     Returns {"out", "lse", "dq", "dk", "dv"} -> float.
     """
     Hkv = np.shape(k)[1]
@@ -129,6 +129,6 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
     dk = (scale * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)
     dv = np.einsum("bhij,bhid->bhjd", pd, np.abs(dout)).reshape(B, Hkv, g, Nk, d).sum(2)
     vmax = float(np.abs(vr).max()) * (float(np.max(zz)) if z is not None else 1.0)
-    amplify = max(1.0, s_abs)
+    amplify = 1.0 + s_abs
     grads = {n: (float(x.max()) if x.size else 0.0) * amplify for n, x in (("dq", dq), ("dk", dk), ("dv", dv))}
-    return {"out": s_abs * vmax, "lse": s_abs, **grads}
+    return {"out": amplify * vmax, "lse": amplify, **grads}

@@ -1,6 +1,7 @@
 """The DESIGN.md tolerance rule, per dtype, against the float64 oracle.
 
-exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|, terms)
+exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|)
+                                                     + TERMS_ULPS * eps32 * terms
                            terms = the magnitude of the terms behind the output
                            (oracle.term_bounds). Why: no float32 summation is closer than
                            eps * sum|terms|. Seen on the GPU and the simulator: large logits
@@ -24,6 +25,7 @@ import numpy as np
 from .precision import EPS
 
 EXACT_RTOL = 1e-5
+TERMS_ULPS = 4.0        # float32 rounding units per unit of |terms| (seen: errors ~0.5 eps32 * terms)
 TC_FACTOR = {"out": 2.0, "lse": 2.0, "grad": 3.0}
 
 
@@ -62,7 +64,7 @@ def compare(name, got, ref, dtype, naive=None, role="out", terms=0.0) -> Verdict
     err = float(np.max(np.abs(g - r)))
     mag = float(np.max(np.abs(r)))
     if dtype == "float32":
-        tol = EXACT_RTOL * max(1.0, mag, terms)
+        tol = EXACT_RTOL * max(1.0, mag) + TERMS_ULPS * EPS["float32"] * terms
     else:
         if naive is None:
             raise ValueError("the tensor-core tier needs the same-precision naive reference")

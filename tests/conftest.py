@@ -11,10 +11,20 @@ import json
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
 
-from sandbox import fuzz
 from sandbox.device import cupy_or_none
+
+if cupy_or_none() is not None:
+    # On the GPU image, importing torch after Hypothesis failed inside pytest (torch's custom-op
+    # schema parser saw "annotate(strtag)"); importing it first avoids that.
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from sandbox import fuzz  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)

@@ -14,7 +14,7 @@ ROWS = None
 def rows():
     global ROWS
     if ROWS is None:
-        ROWS = compile_report.report()
+        ROWS = compile_report.report_in_subprocess()
     return ROWS
 
 
