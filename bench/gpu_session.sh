@@ -15,8 +15,8 @@ step "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 $PY -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
 
-step "compile report (NVRTC, sm_90)"
-$PY -m sandbox compile-report --arch sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" | tee -a "$OUT/compile.md"
+step "compile report (NVRTC, sm_80 + sm_90)"
+$PY -m sandbox compile-report --arch sm_80,sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" | tee -a "$OUT/compile.md"
 tail -2 "$OUT/compile.md"
 
 step "test suite: CPU tests + pytest -m gpu ($GPU_EXAMPLES examples per fuzz test)"
@@ -27,7 +27,7 @@ step "compute-sanitizer memcheck + racecheck, one small case per CUDA variant"
 for tool in memcheck racecheck; do
   for v in $($PY -c "import sandbox; print(' '.join(r['name'] for r in sandbox.variants() if r['backend']=='cuda'))"); do
     compute-sanitizer --tool $tool --error-exitcode 9 $PY -m sandbox run --variants "$v" --batch 1 --heads 2 \
-      --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal > /tmp/sanitizer.log 2>&1
+      --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal --backward > /tmp/sanitizer.log 2>&1
     rc=$?
     cat /tmp/sanitizer.log >> "$OUT/sanitizer.log"
     echo "$tool $v rc=$rc $(grep -m1 'ERROR SUMMARY' /tmp/sanitizer.log)" | tee -a "$OUT/sanitizer.txt"

@@ -42,8 +42,10 @@ def report_in_subprocess(archs=ARCHS):
     import sys
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([sys.executable, "-m", "sandbox", "compile-report", "--arch", ",".join(archs),
-                        "--json", f.name], check=True, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "sandbox", "compile-report", "--arch", ",".join(archs),
+                               "--json", f.name], capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"compile report failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         return json.load(open(f.name))
 
 

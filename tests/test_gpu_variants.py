@@ -104,3 +104,43 @@ def test_device_arrays_strided_along_d_are_rejected(name):
     q_t = cp.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
     with pytest.raises(ValueError, match="unit stride along d"):
         sandbox.attention(q_t, q, q, variant=name)
+
+
+def _param_grid(variant):
+    """Every combination of a variant's research parameters (Philox rounds left at the default)."""
+    import itertools
+    axes = [p for p in variant.params if p.name != "philox_rounds"]
+    return [dict(zip([p.name for p in axes], combo)) for combo in itertools.product(*[p.choices for p in axes])]
+
+
+SWEPT = sorted(n for n, v in all_variants().items() if len(_param_grid(v)) > 1)
+
+
+@pytest.mark.parametrize("name", SWEPT)
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_parameter_sweep_matches_oracle(name, direction):
+    """split x Br x Bc x warps: every combination the variant accepts is fuzzed."""
+    from hypothesis import assume, strategies as st
+    variant = all_variants()[name]
+    dtype = variant.caps.dtypes[0]
+
+    @given(st.sampled_from(_param_grid(variant)), st.data())
+    def check(params, data):
+        bound = get_variant(name, **params)
+        case = data.draw(fuzz.cases(bound, dtype))
+        assume(_supported(bound, case))
+        fuzz.assert_case(bound, case, direction)
+
+    check()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in all_variants() if "deterministic" in n))
+def test_deterministic_backward_is_bitwise_reproducible(name):
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in
+                     ((2, 4, 300, 64), (2, 2, 280, 64), (2, 2, 280, 64), (2, 4, 300, 64)))
+    res = sandbox.forward(q, k, v, variant=name, causal=True, dropout_p=0.2, seed=3)
+    first = [np.asarray(g) for g in sandbox.backward(dout, res)]
+    for _ in range(19):
+        again = sandbox.backward(dout, res)
+        assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(first, again))

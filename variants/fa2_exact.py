@@ -1,0 +1,214 @@
+"""fa2, fa2-deterministic: FlashAttention-2 in exact float32 on CUDA cores (kernels_cu/fa2_exact.cu).
+
+Seeds: FA2 paper Algorithm 1 (forward) and Algorithm 2 (backward), Sec. 3.3 (warp partitioning).
+- forward: grid over (Q tiles, batch x heads); Q-outer loop over K/V tiles; online softmax with
+  the rescaling deferred to the end; lse saved. `split="q"` (FA2: warps own query rows) or
+  `split="k"` (FA1's partitioning: warps split the keys of each tile and reduce through shared
+  memory). Br (`block_r`), Bc (`block_c`) and `warps` are template parameters chosen per call.
+- backward: one block per K/V tile (column-parallel) with dQ by fp32 atomics (`fa2`), or the same
+  dK/dV kernel plus a row-parallel dQ kernel with a fixed summation order (`fa2-deterministic`,
+  bitwise reproducible). D = rowsum(dO * O) is a preprocessing kernel.
+Tiles are classified on the host (empty / full / partial) for causal, window and block-sparse
+masks; empty tiles are never loaded. Dropout replays the contract's Philox counters.
+Status and speed: bench/results/ (this tier is the reference the tensor-core tier is checked
+against; it runs on CUDA cores, so its ceiling is the fp32 FMA rate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sandbox import arrays
+from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4
+from sandbox.loader import CompileUnit, launch
+from sandbox.masks import classify_tiles
+from sandbox.registry import Capabilities, Param, Variant, register
+
+D_PADS = (32, 64, 96, 128)
+SMEM_LIMIT = 227 * 1024          # H100/H200 per-block opt-in maximum
+ACC_REGS = 64                    # per-thread accumulator budget (rows x head-dim columns / 32)
+
+
+def d_pad(d: int) -> int:
+    return next(p for p in D_PADS if p >= d)
+
+
+# ---- config
+
+@dataclass(frozen=True)
+class FA2Config:
+    split: str = "q"
+    block_r: int = 64
+    block_c: int = 64
+    warps: int = 4
+    philox_rounds: int = 10
+    deterministic: bool = False
+
+    # forward geometry
+    def rows_per_warp(self) -> int:
+        return self.block_r // self.warps if self.split == "q" else self.block_r
+
+    def cols_per_warp(self) -> int:
+        return self.block_c if self.split == "q" else self.block_c // self.warps
+
+    def forward_name(self, D: int) -> str:
+        sq = "true" if self.split == "q" else "false"
+        return f"fa2_forward<{D}, {self.block_r}, {self.block_c}, {self.warps}, {sq}, {self.philox_rounds}>"
+
+    def forward_smem(self, D: int) -> int:
+        ld = D + 4
+        return 4 * (self.block_r * ld + 2 * self.block_c * ld
+                    + self.warps * self.rows_per_warp() * (self.cols_per_warp() + 4) + self.warps * self.block_r)
+
+    # backward geometry: fixed per head dim (keeps dK/dV accumulators within ACC_REGS)
+    @staticmethod
+    def bwd_tiles(D: int) -> tuple[int, int, int]:
+        """(Br, Bc, warps) of the backward kernels."""
+        return (64, 64, 4) if D <= 64 else (64, 32, 4)
+
+    def dkdv_name(self, D: int) -> str:
+        br, bc, w = self.bwd_tiles(D)
+        atomic = "false" if self.deterministic else "true"
+        return f"fa2_bwd_dkdv<{D}, {br}, {bc}, {w}, {atomic}, {self.philox_rounds}>"
+
+    def dq_name(self, D: int) -> str:
+        br, bc, w = self.bwd_tiles(D)
+        return f"fa2_bwd_dq<{D}, {br}, {bc}, {w}, {self.philox_rounds}>"
+
+    def bwd_smem(self, D: int) -> dict:
+        br, bc, w = self.bwd_tiles(D)
+        ld = D + 4
+        return {self.dkdv_name(D): 4 * (2 * bc * ld + 2 * br * ld + 2 * bc * (br + 4)),
+                self.dq_name(D): 4 * (2 * br * ld + 2 * bc * ld + w * (br // w) * (bc + 4))}
+
+    def unit(self, D: int) -> CompileUnit:
+        names = [self.forward_name(D), self.dkdv_name(D), "fa2_bwd_preprocess"]
+        if self.deterministic:
+            names.append(self.dq_name(D))
+        smem = {self.forward_name(D): self.forward_smem(D), **self.bwd_smem(D)}
+        return CompileUnit("fa2_exact.cu", tuple(names), cuda_options(), smem, label=f"fa2[D={D}]")
+
+    def envelope_errors(self, D: int) -> list[str]:
+        """What this config cannot do at head dim D (empty: it can)."""
+        errs = []
+        rows, cols = self.rows_per_warp(), self.cols_per_warp()
+        if self.block_r % self.warps:
+            errs.append(f"block_r={self.block_r} is not a multiple of warps={self.warps}")
+        if cols % 32:
+            errs.append(f"each warp needs a multiple of 32 keys per tile; split={self.split!r} gives {cols}")
+        if rows * D // 32 > ACC_REGS:
+            errs.append(f"{rows} rows x head dim {D} per warp exceeds the {ACC_REGS}-register accumulator "
+                        f"budget (split={self.split!r}: lower block_r or raise warps)")
+        if rows * max(cols // 32, 1) > ACC_REGS:
+            errs.append(f"{rows} rows x {cols} keys per warp exceeds the score-register budget")
+        if self.forward_smem(D) > SMEM_LIMIT:
+            errs.append(f"shared memory {self.forward_smem(D)} B exceeds {SMEM_LIMIT} B")
+        return errs
+
+
+# ---- launch
+
+def _qkv_strides(x):
+    return strides4(x)[:3]
+
+
+class FA2Exact:
+    def __init__(self, deterministic: bool):
+        self.deterministic = deterministic
+
+    def configure(self, split="q", block_r=64, block_c=64, warps=4, philox_rounds=10):
+        return FA2Config(split, block_r, block_c, warps, philox_rounds, self.deterministic)
+
+    def to_backend(self, x, name="array"):
+        return arrays.to_device(x, name)
+
+    def check(self, problem, config, direction):
+        errs = config.envelope_errors(d_pad(problem.d))
+        if errs:
+            name = "fa2-deterministic" if self.deterministic else "fa2"
+            raise ValueError(f"variant {name!r} with {config}: " + "; ".join(errs))
+
+    def report_configs(self):
+        return [{}, {"split": "k", "block_r": 16, "block_c": 128}, {"split": "k", "block_r": 32, "block_c": 128},
+                {"block_r": 32, "block_c": 32}, {"block_r": 128, "warps": 8}]
+
+    # Configs whose compile report shows no spills at D = 64 and 128 (sm_90): the CI check holds them
+    # to it. Split-K holds all Br rows per warp, and Br = Bc = 32 pays the out-of-line Philox call's
+    # register saves (16 B): both are reported, not tuned.
+    TUNED = {("q", 64, 64, 4), ("q", 128, 64, 8)}
+
+    def tuned(self, config) -> bool:
+        return (config.split, config.block_r, config.block_c, config.warps) in self.TUNED
+
+    def compile_units(self, config):
+        return [config.unit(D) for D in (64, 128) if not config.envelope_errors(D)]
+
+    def _tiles(self, p, br, bc, xp):
+        t = classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)
+        return xp.asarray(t), i32(t.shape[0])
+
+    def forward(self, p, q, k, v, config):
+        import cupy as xp
+        D = d_pad(p.d)
+        unit = config.unit(D)
+        out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
+        lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+        tiles, tile_heads = self._tiles(p, config.block_r, config.block_c, xp)
+        name = config.forward_name(D)
+        launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
+               (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), out, lse, tiles, tile_heads,
+                i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale),
+                *mask_args(p, xp), *dropout_args(p)),
+               shared_mem=unit.dynamic_smem[name])
+        return out, lse
+
+    def backward(self, p, dout, q, k, v, out, lse, config):
+        import cupy as xp
+        D = d_pad(p.d)
+        unit = config.unit(D)
+        br, bc, w = config.bwd_tiles(D)
+        rows = p.B * p.Hq * p.Nq
+        Dv = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+        launch(unit, "fa2_bwd_preprocess", (-(-rows // 8),), (256,),
+               (dout, *_qkv_strides(dout), out, Dv, i32(p.Hq), i32(p.Nq), i32(p.d), i32(rows)))
+        dq = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
+        dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=xp.float32)
+        dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=xp.float32)
+        tiles, tile_heads = self._tiles(p, br, bc, xp)
+        masks, drop = mask_args(p, xp), dropout_args(p)
+        inputs = (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), dout, *_qkv_strides(dout))
+        name = config.dkdv_name(D)
+        launch(unit, name, (-(-p.Nk // bc), p.B * p.Hkv), (32 * w,),
+               (*inputs, lse, Dv, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group),
+                i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *masks, *drop),
+               shared_mem=unit.dynamic_smem[name])
+        if self.deterministic:
+            name = config.dq_name(D)
+            launch(unit, name, (-(-p.Nq // br), p.B * p.Hq), (32 * w,),
+                   (*inputs, lse, Dv, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk),
+                    i32(p.d), f32(p.scale), *masks, *drop),
+                   shared_mem=unit.dynamic_smem[name])
+        return dq, dk, dv
+
+
+PARAMS = (
+    Param("split", ("q", "k"), "q", "warp partitioning: q = FA2 (warps own rows), k = FA1 (warps split keys)"),
+    Param("block_r", (16, 32, 64, 128), 64, "Br: query rows per thread block"),
+    Param("block_c", (32, 64, 128), 64, "Bc: keys per K/V tile"),
+    Param("warps", (2, 4, 8), 4, "warps per thread block"),
+    Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+)
+CAPS = Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129)))
+
+register(Variant(
+    name="fa2", family="fa2", backend="cuda",
+    description="FA2 exact fp32: Q-outer tiles, split-Q/K warps, column-parallel backward with atomic dQ",
+    impl=FA2Exact(deterministic=False), params=PARAMS, caps=CAPS,
+    seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.3"))
+
+register(Variant(
+    name="fa2-deterministic", family="fa2", backend="cuda",
+    description="FA2 exact fp32 with a deterministic backward (row-parallel dQ, no atomics)",
+    impl=FA2Exact(deterministic=True), params=PARAMS, caps=CAPS,
+    seed_ref="FA2 paper Algorithms 1 and 2 (dQ without atomics)"))
