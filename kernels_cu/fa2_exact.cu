@@ -71,17 +71,14 @@ __device__ __forceinline__ void band_row_tiles(int c0, int c1, int lo, int hi, i
     t1 = ilo > ihi ? t0 - 1 : (int)(ihi / BROWS);
 }
 
-// The Philox call is out of line: inlined 32 times it kept the row loops from unrolling, and the
-// per-row registers (m, l, acc) went to local memory (seen in the compile report: 112 B spills).
-template <int R>
-__device__ __noinline__ float keep_scale_philox(Dropout drop, int bh, int i, int j) {
-    const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
-    return dropout_factor(drop, word_of(w, j & 3));
-}
-
+// Dropout is applied in a separate, deliberately non-unrolled pass over a tile already in shared
+// memory. Inlined into the unrolled register loops, 32 Philox copies kept those loops from
+// unrolling and m, l, acc went to local memory; called out of line, the call saved registers to
+// the stack (both seen in the compile report as spills).
 template <int R>
 __device__ __forceinline__ float keep_scale(const Dropout& drop, int bh, int i, int j) {
-    return drop.threshold == 0u ? 1.0f : keep_scale_philox<R>(drop, bh, i, j);
+    const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
+    return dropout_factor(drop, word_of(w, j & 3));
 }
 
 // ---- kernels
@@ -182,22 +179,28 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
         float* myP = sP + warp * ROWS * LDP;
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-            const int i = row0 + wrow + r;
             const float m_new = fmaxf(m[r], mx[r]);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;   // a row with nothing visible yet
             const float corr = expf(m[r] - m_use);
             float rowsum = 0.0f;
 #pragma unroll
             for (int c = 0; c < CPL; ++c) {
-                const int j = col0 + wcol + lane + 32 * c;
                 const float p = expf(s[r][c] - m_use);
                 rowsum += p;
-                myP[r * LDP + lane + 32 * c] = p == 0.0f ? 0.0f : p * keep_scale<R>(drop, b * Hq + h, i, j);
+                myP[r * LDP + lane + 32 * c] = p;
             }
             l[r] = l[r] * corr + warp_sum(rowsum);
             m[r] = m_new;
 #pragma unroll
             for (int u = 0; u < DPL; ++u) acc[r][u] *= corr;
+        }
+        if (drop.threshold) {                           // P_drop = P * Z / (1 - p); l keeps the undropped sum
+#pragma unroll 1
+            for (int e = 0; e < ROWS * CPL; ++e) {
+                const int r = e / CPL, c = e % CPL;
+                float* pp = &myP[r * LDP + lane + 32 * c];
+                if (*pp != 0.0f) *pp *= keep_scale<R>(drop, b * Hq + h, row0 + wrow + r, col0 + wcol + lane + 32 * c);
+            }
         }
         __syncwarp();
 #pragma unroll 2
@@ -366,9 +369,22 @@ fa2_bwd_dkdv(const float* __restrict__ Q, long long q_sb, long long q_sh, long l
                     const int j = col0 + wkey + c;
                     const bool vis = L != NEG_INF && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j));
                     const float p = vis ? expf(s[c][x] * scale - L) : 0.0f;
-                    const float z = vis ? keep_scale<R>(drop, bh, i, j) : 0.0f;
-                    sP[(wkey + c) * LDS + lane + 32 * x] = p * z;
-                    sS[(wkey + c) * LDS + lane + 32 * x] = p * (dp[c][x] * z - Di);
+                    sP[(wkey + c) * LDS + lane + 32 * x] = p;
+                    // with dropout, dS needs Z: keep dP here for the dropout pass
+                    sS[(wkey + c) * LDS + lane + 32 * x] = drop.threshold ? dp[c][x] : p * (dp[c][x] - Di);
+                }
+            }
+            if (drop.threshold) {                       // P_drop = P * Z / (1 - p), dS = P * (dP * Z / (1 - p) - D)
+#pragma unroll 1
+                for (int e = 0; e < KEYS * QPL; ++e) {
+                    const int c = e / QPL, x = e % QPL, i = row0 + lane + 32 * x, j = col0 + wkey + c;
+                    float* pp = &sP[(wkey + c) * LDS + lane + 32 * x];
+                    float* ss = &sS[(wkey + c) * LDS + lane + 32 * x];
+                    const float p = *pp;
+                    if (p == 0.0f) { *ss = 0.0f; continue; }
+                    const float z = keep_scale<R>(drop, bh, i, j);
+                    *pp = p * z;
+                    *ss = p * (*ss * z - Dv[(long long)bh * Nq + i]);
                 }
             }
             __syncwarp();
@@ -443,12 +459,14 @@ fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long lon
     float* sK = sdO + BR * LD;                        // [BC][LD]
     float* sV = sK + BC * LD;                         // [BC][LD]
     float* sS = sV + BC * LD;                         // [WARPS][ROWS][LDP] dS of this warp
+    float* sPw = sS + WARPS * ROWS * LDP;             // [WARPS][ROWS][LDP] P (dropout pass only)
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, wrow = warp * ROWS, nTc = (Nk + BC - 1) / BC;
+    float* myP = sPw + warp * ROWS * LDP;
     load_rows<BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, d);
     load_rows<BR, D, THREADS>(sdO, dO + b * do_sb + h * do_sh, do_sm, row0, Nq, d);
     const float* Kb = K + b * k_sb + hk * k_sh;
@@ -503,8 +521,17 @@ fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long lon
                 const int j = col0 + lane + 32 * c;
                 const bool vis = L[r] != NEG_INF && i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j));
                 const float p = vis ? expf(s[r][c] * scale - L[r]) : 0.0f;
-                const float z = vis ? keep_scale<R>(drop, bh, i, j) : 0.0f;
-                myS[r * LDP + lane + 32 * c] = p * (dp[r][c] * z - Di[r]);
+                if (drop.threshold) { myP[r * LDP + lane + 32 * c] = p; myS[r * LDP + lane + 32 * c] = dp[r][c]; }
+                else myS[r * LDP + lane + 32 * c] = p * (dp[r][c] - Di[r]);
+            }
+        }
+        if (drop.threshold) {
+#pragma unroll 1
+            for (int e = 0; e < ROWS * CPL; ++e) {
+                const int r = e / CPL, c = e % CPL, i = row0 + wrow + r, j = col0 + lane + 32 * c;
+                const float p = myP[r * LDP + lane + 32 * c];
+                float* ss = &myS[r * LDP + lane + 32 * c];
+                *ss = p == 0.0f ? 0.0f : p * (*ss * keep_scale<R>(drop, bh, i, j) - Dv[(long long)bh * Nq + i]);
             }
         }
         __syncwarp();

@@ -29,7 +29,8 @@ def report(archs=ARCHS):
                 rows.append({"variant": name, "config": repr(bound), "unit": unit.label, "kernel": r.name,
                              "arch": arch, "registers": r.registers, "spill_stores": r.spill_stores,
                              "spill_loads": r.spill_loads, "stack": r.stack, "static_smem": r.static_smem,
-                             "dynamic_smem": r.dynamic_smem, "smem_limit": SMEM_LIMIT[arch], "tuned": tuned})
+                             "dynamic_smem": r.dynamic_smem, "smem_limit": SMEM_LIMIT[arch], "tuned": tuned,
+                             "fits": r.static_smem + r.dynamic_smem <= SMEM_LIMIT[arch]})
     return rows
 
 
@@ -50,9 +51,12 @@ def report_in_subprocess(archs=ARCHS):
 
 
 def markdown(rows) -> str:
-    head = "| variant | kernel | arch | regs | spill st/ld | stack | smem (static+dyn) |\n|---|---|---|---|---|---|---|"
+    head = ("| variant | kernel | arch | regs | spill st/ld | stack | smem (static+dyn) | tuned |\n"
+            "|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
+        fits = "" if r.get("fits", True) else f" (> {r['smem_limit']}: not on {r['arch']})"
         lines.append(f"| {r['variant']} | `{r['kernel']}` | {r['arch']} | {r['registers']} | "
-                     f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['static_smem']}+{r['dynamic_smem']} |")
+                     f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['static_smem']}+{r['dynamic_smem']}{fits} | "
+                     f"{'yes' if r['tuned'] else 'no'} |")
     return "\n".join(lines)

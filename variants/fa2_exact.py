@@ -72,15 +72,21 @@ class FA2Config:
         atomic = "false" if self.deterministic else "true"
         return f"fa2_bwd_dkdv<{D}, {br}, {bc}, {w}, {atomic}, {self.philox_rounds}>"
 
+    @staticmethod
+    def dq_tiles(D: int) -> tuple[int, int, int]:
+        """(Br, Bc, warps) of the deterministic dQ kernel (16 rows x 128 columns per warp spilled)."""
+        return (64, 64, 4) if D <= 64 else (32, 32, 4)
+
     def dq_name(self, D: int) -> str:
-        br, bc, w = self.bwd_tiles(D)
+        br, bc, w = self.dq_tiles(D)
         return f"fa2_bwd_dq<{D}, {br}, {bc}, {w}, {self.philox_rounds}>"
 
     def bwd_smem(self, D: int) -> dict:
         br, bc, w = self.bwd_tiles(D)
+        qbr, qbc, qw = self.dq_tiles(D)
         ld = D + 4
         return {self.dkdv_name(D): 4 * (2 * bc * ld + 2 * br * ld + 2 * bc * (br + 4)),
-                self.dq_name(D): 4 * (2 * br * ld + 2 * bc * ld + w * (br // w) * (bc + 4))}
+                self.dq_name(D): 4 * (2 * qbr * ld + 2 * qbc * ld + 2 * qw * (qbr // qw) * (qbc + 4))}
 
     def unit(self, D: int) -> CompileUnit:
         names = [self.forward_name(D), self.dkdv_name(D), "fa2_bwd_preprocess"]
@@ -133,9 +139,8 @@ class FA2Exact:
         return [{}, {"split": "k", "block_r": 16, "block_c": 128}, {"split": "k", "block_r": 32, "block_c": 128},
                 {"block_r": 32, "block_c": 32}, {"block_r": 128, "warps": 8}]
 
-    # Configs whose compile report shows no spills at D = 64 and 128 (sm_90): the CI check holds them
-    # to it. Split-K holds all Br rows per warp, and Br = Bc = 32 pays the out-of-line Philox call's
-    # register saves (16 B): both are reported, not tuned.
+    # Configs whose compile report shows no spills at D = 64 and 128: the CI check holds them to it.
+    # Split-K holds all Br rows per warp in registers: reported, not tuned.
     TUNED = {("q", 64, 64, 4), ("q", 128, 64, 8)}
 
     def tuned(self, config) -> bool:
@@ -185,6 +190,8 @@ class FA2Exact:
                shared_mem=unit.dynamic_smem[name])
         if self.deterministic:
             name = config.dq_name(D)
+            br, bc, w = config.dq_tiles(D)
+            tiles, tile_heads = self._tiles(p, br, bc, xp)
             launch(unit, name, (-(-p.Nq // br), p.B * p.Hq), (32 * w,),
                    (*inputs, lse, Dv, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk),
                     i32(p.d), f32(p.scale), *masks, *drop),
