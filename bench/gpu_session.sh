@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: compile report, the GPU test suite (Hypothesis over every variant),
 # compute-sanitizer on a small case per CUDA variant, the benchmark, and a summary printed last.
-# Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> bash bench/gpu_session.sh
+# Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> [PARTS=tests|bench] bash bench/gpu_session.sh
+# (one device call holds 10 minutes: run PARTS=tests and PARTS=bench as two calls when both do not fit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -9,14 +10,16 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HYPOTHESIS_PROFILE=gpu PYTHONWARNINGS=ignore PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 export GPU_EXAMPLES=${GPU_EXAMPLES:-150}
 PY=${PY:-python3}
+PARTS=${PARTS:-tests,bench}
 step() { echo "== $1 ($(date +%T))"; }
 
 step "device"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv | tee "$OUT/device.txt"
 $PY -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
 
-step "compile report (NVRTC, sm_80 + sm_90)"
-$PY -m sandbox compile-report --arch sm_80,sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" | tee -a "$OUT/compile.md"
+if [[ $PARTS == *tests* ]]; then
+step "compile report (NVRTC, sm_90; sm_80 is CI's)"
+$PY -m sandbox compile-report --arch sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" | tee -a "$OUT/compile.md"
 tail -2 "$OUT/compile.md"
 
 step "test suite: CPU tests + pytest -m gpu ($GPU_EXAMPLES examples per fuzz test)"
@@ -34,12 +37,23 @@ for tool in memcheck racecheck; do
   done
 done
 
+fi
+
+if [[ $PARTS == *bench* ]]; then
 step "benchmark"
 $PY -m sandbox run --json /tmp/run.json ${RUN_ARGS:-} 2>&1 | tee "$OUT/bench.md"
 $PY -m sandbox run --causal --json /tmp/run_causal.json ${RUN_ARGS:-} 2>&1 | tee -a "$OUT/bench.md"
 $PY -c "import json; json.dump([json.load(open(f)) for f in ('/tmp/run.json', '/tmp/run_causal.json')], open('$OUT/bench.json', 'w'), indent=1)"
 
+step "exact-tier grid (fp32, d = 64, FA2 paper protocol)"
+$PY bench/grid.py --dtype float32 --headdim 64 --out /tmp/grid --reps ${GRID_REPS:-10} 2>&1 | tail -14
+cp /tmp/grid/grid_float32_d64.md "$OUT/grid.md"
+$PY -c "import json; b = json.load(open('$OUT/bench.json')); b.append({'grid_float32_d64': json.load(open('/tmp/grid/grid_float32_d64.json'))}); json.dump(b, open('$OUT/bench.json', 'w'), indent=1)"
+
+fi
+
 step "summary"
 COMMIT=${COMMIT:-unknown} $PY bench/gpu_summary.py "$OUT" > "$OUT/summary.md"
-cat "$OUT/sanitizer.txt" >> "$OUT/sanitizer.log"; rm -f "$OUT/sanitizer.txt"
+[ -f "$OUT/sanitizer.txt" ] && { cat "$OUT/sanitizer.txt" >> "$OUT/sanitizer.log"; rm -f "$OUT/sanitizer.txt"; }
+rm -f "$OUT/device.txt"
 cat "$OUT/summary.md"

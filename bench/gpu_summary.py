@@ -22,7 +22,7 @@ lines = [f"# GPU session summary", "",
          f"- software: {read('device.txt').strip().splitlines()[-1] if read('device.txt') else ''}", ""]
 log = read("pytest.log")
 m = re.findall(r"^=+ (.*(?:passed|failed|error).*) =+$", log, re.M)
-lines += ["## Tests", "", f"- pytest: {m[-1] if m else 'no result line'}"]
+lines += ["## Tests", "", f"- pytest: {m[-1] if m else 'not run in this call'}"]
 if (out / "fuzz.json").exists():
     fz = json.loads(read("fuzz.json"))
     lines.append(f"- oracle-checked Hypothesis examples: {fz['total']}")
@@ -35,4 +35,5 @@ lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp
 table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").splitlines()
          if l.startswith("|") or l.startswith("problem:")]
 lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
+lines += ["## Exact-tier grid", "", read("grid.md").strip(), ""]
 print("\n".join(lines))

@@ -27,6 +27,10 @@
 #define TILE_EMPTY 0
 #define TILE_FULL 1
 #define PAD 4          // row padding (floats): keeps float4 rows 16-byte aligned and spreads banks
+// Occupancy target: 256 threads per SM, i.e. 2 blocks of 4 warps or 1 of 8, leaving 255 registers
+// a thread. Without it NVRTC 13.0 aimed at 3 blocks of 128 threads (168 registers) and spilled the
+// forward's accumulators (seen on the GPU image).
+#define MIN_BLOCKS (WARPS <= 4 ? 2 : 1)
 
 // ---- device helpers
 
@@ -84,7 +88,7 @@ __device__ __forceinline__ float keep_scale(const Dropout& drop, int bh, int i, 
 // ---- kernels
 
 template <int D, int BR, int BC, int WARPS, bool SPLIT_Q, int R>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
             const float* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
             const float* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,  // [B, Hkv, Nk, d]
@@ -281,7 +285,7 @@ __global__ void fa2_bwd_preprocess(const float* __restrict__ dO, long long do_sb
 // the group and every visible Q tile); with ATOMIC_DQ, dQ += scale * dS K by float atomics.
 // Warps split the BC keys (KEYS each); lanes split the BR queries of a Q tile (BR/32 each).
 template <int D, int BR, int BC, int WARPS, bool ATOMIC_DQ, int R>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 fa2_bwd_dkdv(const float* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
              const float* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
              const float* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
@@ -440,7 +444,7 @@ fa2_bwd_dkdv(const float* __restrict__ Q, long long q_sb, long long q_sh, long l
 // BR/WARPS query rows (split-Q); lanes split the BC keys of a tile for S and dP, and the head
 // dim for dQ.
 template <int D, int BR, int BC, int WARPS, int R>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const float* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
            const float* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]

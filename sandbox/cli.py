@@ -146,9 +146,12 @@ def cmd_compile_report(args):
     rows = compile_report.report(tuple(args.arch.split(",")))
     print(compile_report.markdown(rows))
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
-    print(f"\n{len(rows)} kernel builds, {len(spills)} with spills")
+    tuned_spills = [r for r in spills if r["tuned"]]
+    print(f"\n{len(rows)} kernel builds, {len(spills)} with spills, {len(tuned_spills)} of them in tuned configs")
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
+    if tuned_spills:
+        raise SystemExit(1)
 
 
 def main(argv=None):

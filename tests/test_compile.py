@@ -5,8 +5,14 @@ the architecture's per-block limit."""
 import pytest
 
 from sandbox import compile_report
+from sandbox.device import has_gpu
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for the NVRTC compile check")
+if has_gpu():
+    # On the GPU image, NVRTC called from a process that pytest started returned an empty log (no
+    # ptxas report), while the same command run directly worked: bench/gpu_session.sh runs the
+    # report directly there and fails on spills in tuned configs. This check is CI's (no GPU).
+    pytest.skip("compile-only check runs in CI; on GPU machines bench/gpu_session.sh runs it", allow_module_level=True)
 
 ROWS = None
 
