@@ -33,7 +33,7 @@ for tool in memcheck racecheck; do
       --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal --backward > /tmp/sanitizer.log 2>&1
     rc=$?
     cat /tmp/sanitizer.log >> "$OUT/sanitizer.log"
-    echo "$tool $v rc=$rc $(grep -m1 'ERROR SUMMARY' /tmp/sanitizer.log)" | tee -a "$OUT/sanitizer.txt"
+    echo "$tool $v rc=$rc $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/sanitizer.log)" | tee -a "$OUT/sanitizer.txt"
   done
 done
 

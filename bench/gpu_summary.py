@@ -21,7 +21,8 @@ lines = [f"# GPU session summary", "",
          f"- device: {read('device.txt').strip().splitlines()[1] if read('device.txt') else 'unknown'}",
          f"- software: {read('device.txt').strip().splitlines()[-1] if read('device.txt') else ''}", ""]
 log = read("pytest.log")
-m = re.findall(r"^=+ (.*(?:passed|failed|error).*) =+$", log, re.M)
+# pytest -q prints its verdict bare ("90 passed, 1 skipped in 364.40s"), otherwise between "=" rules
+m = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?)\s*=*$", log, re.M)
 lines += ["## Tests", "", f"- pytest: {m[-1] if m else 'not run in this call'}"]
 if (out / "fuzz.json").exists():
     fz = json.loads(read("fuzz.json"))
@@ -29,7 +30,9 @@ if (out / "fuzz.json").exists():
     lines += [f"  - {k}: {n}" for k, n in sorted(fz["by_variant"].items())]
 failed = re.findall(r"^FAILED (.*)$", log, re.M)
 lines += [f"- FAILED {f}" for f in failed]
-lines += ["", "## Sanitizer", "", "```", read("sanitizer.txt").strip(), "```", ""]   # verdict lines
+verdicts = read("sanitizer.txt") or "\n".join(   # one verdict line per tool and variant
+    l for l in read("sanitizer.log").splitlines() if re.match(r"(memcheck|racecheck) \S+ rc=", l))
+lines += ["", "## Sanitizer", "", "```", verdicts.strip(), "```", ""]
 comp = read("compile.md")
 lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp.strip() else "", ""]
 table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").splitlines()
@@ -37,3 +40,33 @@ table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").s
 lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
 lines += ["## Exact-tier grid", "", read("grid.md").strip(), ""]
 print("\n".join(lines))
+
+
+def grid_ratios(rows):
+    """Ratios read off the grid: each variant against SDPA's backends (same N, same causal), the
+    causal speed-up in time, split-Q over split-K. Ratios of fp32 kernels to fp16 baselines say how
+    far the exact tier is from the tensor-core one, not a like-for-like contest."""
+    by = {(r["variant"], r["N"], r["causal"]): r for r in rows if r.get("ms")}
+    variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if "sdpa" not in v]
+    out = ["| variant | causal | N | TFLOP/s | / sdpa-flash | / sdpa-cudnn | / sdpa-math | causal speed-up (time) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        for (vv, n, c), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+            if vv != v:
+                continue
+            base = {b: by.get((f"sdpa-{b} (fp16)", n, c)) for b in ("flash", "cudnn", "math")}
+            ratio = [f"{r['tflops'] / base[b]['tflops']:.3f}" if base[b] else "-" for b in base]
+            nc = by.get((v, n, False))
+            speed = f"{nc['ms'] / r['ms']:.2f}x" if c and nc else ""
+            out.append(f"| {v} | {'yes' if c else 'no'} | {n} | {r['tflops']:.2f} | " + " | ".join(ratio) + f" | {speed} |")
+    return out
+
+
+if (out / "bench.json").exists():
+    for entry in json.loads(read("bench.json")):
+        if isinstance(entry, dict):
+            for name, rows in entry.items():
+                if not name.startswith("grid"):
+                    continue
+                print(f"\n## Ratios ({name})\n")
+                print("\n".join(grid_ratios(rows)))
