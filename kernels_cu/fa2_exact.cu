@@ -10,7 +10,7 @@
 //       ("split-K", the FA1 partitioning): every warp sees all BR rows and BC/WARPS keys of each
 //       tile; the warps agree on the row max through shared memory on every tile and add their
 //       partial O and row sums at the end, in a fixed order.
-//   fa2_bwd_preprocess                        D = rowsum(dO * O)
+//   bwd_preprocess                        D = rowsum(dO * O)
 //   fa2_bwd_dkdv<D, BR, BC, WARPS, ATOMIC_DQ, R> grid (ceil(Nk/BC), B*Hkv): one block per K/V tile
 //       sums over the query heads of its group (GQA) and every visible Q tile; with ATOMIC_DQ it
 //       also adds dS K into dQ with float atomics (the paper's choice), else dQ is left alone.
@@ -21,69 +21,7 @@
 // are never loaded. Dropout: one Philox call per element (the contract's counters); exp via expf
 // (no fast math) so that the tier stays exact.
 // Status: see bench/results/ (fuzzed against the oracle on the GPU; timings in the tables).
-#include "common.cuh"
-#include "philox.cuh"
-
-#define TILE_EMPTY 0
-#define TILE_FULL 1
-#define PAD 4          // row padding (floats): keeps float4 rows 16-byte aligned and spreads banks
-// Occupancy target: 256 threads per SM, i.e. 2 blocks of 4 warps or 1 of 8, leaving 255 registers
-// a thread. Without it NVRTC 13.0 aimed at 3 blocks of 128 threads (168 registers) and spilled the
-// forward's accumulators (seen on the GPU image).
-#define MIN_BLOCKS (WARPS <= 4 ? 2 : 1)
-
-// ---- device helpers
-
-// rows [row0, row0 + ROWS) of a [N, d] matrix (row stride srow, unit stride along d) into
-// dst[ROWS][D + PAD], zero-filling rows >= N and columns >= d.
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_rows(float* dst, const float* __restrict__ src, long long srow,
-                                          int row0, int N, int d) {
-    for (int e = threadIdx.x; e < ROWS * D; e += THREADS) {
-        const int r = e / D, c = e % D;
-        dst[r * (D + PAD) + c] = (row0 + r < N && c < d) ? src[(long long)(row0 + r) * srow + c] : 0.0f;
-    }
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
-    return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
-}
-
-// Column-tile range [t0, t1] that rows [r0, r1] can see under the band lo <= j - i <= hi.
-__device__ __forceinline__ void band_tiles(int r0, int r1, int lo, int hi, int Nk, int BCOLS, int& t0, int& t1) {
-    const long long jlo = max(0LL, (long long)r0 + lo), jhi = min((long long)Nk - 1, (long long)r1 + hi);
-    t0 = (int)(jlo / BCOLS);
-    t1 = jlo > jhi ? t0 - 1 : (int)(jhi / BCOLS);
-}
-
-// Row-tile range [t0, t1] that can see columns [c0, c1].
-__device__ __forceinline__ void band_row_tiles(int c0, int c1, int lo, int hi, int Nq, int BROWS, int& t0, int& t1) {
-    const long long ilo = max(0LL, (long long)c0 - hi), ihi = min((long long)Nq - 1, (long long)c1 - lo);
-    t0 = (int)(ilo / BROWS);
-    t1 = ilo > ihi ? t0 - 1 : (int)(ihi / BROWS);
-}
-
-// Dropout is applied in a separate, deliberately non-unrolled pass over a tile already in shared
-// memory. Inlined into the unrolled register loops, 32 Philox copies kept those loops from
-// unrolling and m, l, acc went to local memory; called out of line, the call saved registers to
-// the stack (both seen in the compile report as spills).
-template <int R>
-__device__ __forceinline__ float keep_scale(const Dropout& drop, int bh, int i, int j) {
-    const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
-    return dropout_factor(drop, word_of(w, j & 3));
-}
+#include "exact_backward.cuh"
 
 // ---- kernels
 
@@ -265,179 +203,23 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
     }
 }
 
-// D[b, h, i] = sum_c dO * O; one warp per row. dO [B, Hq, Nq, d] (strided), O contiguous.
-__global__ void fa2_bwd_preprocess(const float* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm,
-                                   const float* __restrict__ O,   // [B, Hq, Nq, d] contiguous
-                                   float* __restrict__ Dv,        // [B, Hq, Nq]
-                                   int Hq, int Nq, int d, int rows) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const int b = row / (Hq * Nq), h = (row / Nq) % Hq, i = row % Nq;
-    const float* a = dO + b * do_sb + h * do_sh + (long long)i * do_sm;
-    const float* o = O + (long long)row * d;
-    float acc = 0.0f;
-    for (int c = lane; c < d; c += 32) acc = fmaf(a[c], o[c], acc);
-    acc = warp_sum(acc);
-    if (lane == 0) Dv[row] = acc;
-}
-
-// One block per K/V tile of one K/V head: dK, dV for its BC keys (summed over the query heads of
-// the group and every visible Q tile); with ATOMIC_DQ, dQ += scale * dS K by float atomics.
-// Warps split the BC keys (KEYS each); lanes split the BR queries of a Q tile (BR/32 each).
+// FA2 Algorithm 2: one block per K/V tile (grid ceil(Nk/BC) x B*Hkv).
 template <int D, int BR, int BC, int WARPS, bool ATOMIC_DQ, int R>
 __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 fa2_bwd_dkdv(const float* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
              const float* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
              const float* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
              const float* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
-             const float* __restrict__ LSE,     // [B, Hq, Nq]
-             const float* __restrict__ Dv,      // [B, Hq, Nq]
-             float* __restrict__ dQ,            // [B, Hq, Nq, d] contiguous, zeroed (ATOMIC_DQ)
-             float* __restrict__ dK,            // [B, Hkv, Nk, d] contiguous
-             float* __restrict__ dV,            // [B, Hkv, Nk, d] contiguous
+             const float* __restrict__ LSE, const float* __restrict__ Dv,                    // [B, Hq, Nq]
+             float* __restrict__ dQ, float* __restrict__ dK, float* __restrict__ dV,
              const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
              int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d, float scale,
              MASK_PARAMS, DROPOUT_PARAMS) {
-    constexpr int THREADS = WARPS * 32;
-    constexpr int KEYS = BC / WARPS, QPL = BR / 32, DPL = D / 32, LD = D + PAD, LDS = BR + PAD;
-    static_assert(D % 32 == 0 && D <= 128 && BC % WARPS == 0 && BR % 32 == 0, "tile envelope");
-    extern __shared__ float4 smem_f4[];
-    float* sK = reinterpret_cast<float*>(smem_f4);   // [BC][LD]
-    float* sV = sK + BC * LD;                         // [BC][LD]
-    float* sQ = sV + BC * LD;                         // [BR][LD]
-    float* sdO = sQ + BR * LD;                        // [BR][LD]
-    float* sP = sdO + BR * LD;                        // [BC][LDS] dropped-out P^T of this tile
-    float* sS = sP + BC * LDS;                        // [BC][LDS] dS^T of this tile
-
-    const Mask mask = MASK_FROM_PARAMS;
-    const Dropout drop = DROPOUT_FROM_PARAMS;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
-    const int col0 = tc * BC, wkey = warp * KEYS;
-    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
-    load_rows<BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, d);
-    load_rows<BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, d);
-
-    float dk[KEYS][DPL], dv[KEYS][DPL];
-#pragma unroll
-    for (int c = 0; c < KEYS; ++c)
-#pragma unroll
-        for (int u = 0; u < DPL; ++u) dk[c][u] = dv[c][u] = 0.0f;
-    int t0, t1;
-    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
-
-    for (int g = 0; g < group; ++g) {
-        const int h = hk * group + g, bh = b * Hq + h;
-        const float* Qb = Q + b * q_sb + h * q_sh;
-        const float* dOb = dO + b * do_sb + h * do_sh;
-        for (int t = t0; t <= t1; ++t) {
-            const int cls = tiles[((long long)(tile_heads == 1 ? 0 : h) * nTr + t) * nTc + tc];
-            if (cls == TILE_EMPTY) continue;
-            const int row0 = t * BR;
-            __syncthreads();
-            load_rows<BR, D, THREADS>(sQ, Qb, q_sm, row0, Nq, d);
-            load_rows<BR, D, THREADS>(sdO, dOb, do_sm, row0, Nq, d);
-            __syncthreads();
-            // S^T and dP^T for this warp's keys (rows) and the lane's queries (columns)
-            float s[KEYS][QPL], dp[KEYS][QPL];
-#pragma unroll
-            for (int c = 0; c < KEYS; ++c)
-#pragma unroll
-                for (int x = 0; x < QPL; ++x) s[c][x] = dp[c][x] = 0.0f;
-#pragma unroll 2
-            for (int k = 0; k < D; k += 4) {
-                float4 qv[QPL], ov[QPL];
-#pragma unroll
-                for (int x = 0; x < QPL; ++x) {
-                    qv[x] = *reinterpret_cast<const float4*>(&sQ[(lane + 32 * x) * LD + k]);
-                    ov[x] = *reinterpret_cast<const float4*>(&sdO[(lane + 32 * x) * LD + k]);
-                }
-#pragma unroll
-                for (int c = 0; c < KEYS; ++c) {
-                    const float4 kv = *reinterpret_cast<const float4*>(&sK[(wkey + c) * LD + k]);
-                    const float4 vv = *reinterpret_cast<const float4*>(&sV[(wkey + c) * LD + k]);
-#pragma unroll
-                    for (int x = 0; x < QPL; ++x) {
-                        s[c][x] = dot4(qv[x], kv, s[c][x]);
-                        dp[c][x] = dot4(ov[x], vv, dp[c][x]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int x = 0; x < QPL; ++x) {
-                const int i = row0 + lane + 32 * x;
-                const float L = i < Nq ? LSE[(long long)bh * Nq + i] : NEG_INF;
-                const float Di = i < Nq ? Dv[(long long)bh * Nq + i] : 0.0f;
-#pragma unroll
-                for (int c = 0; c < KEYS; ++c) {
-                    const int j = col0 + wkey + c;
-                    const bool vis = L != NEG_INF && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j));
-                    const float p = vis ? expf(s[c][x] * scale - L) : 0.0f;
-                    sP[(wkey + c) * LDS + lane + 32 * x] = p;
-                    // with dropout, dS needs Z: keep dP here for the dropout pass
-                    sS[(wkey + c) * LDS + lane + 32 * x] = drop.threshold ? dp[c][x] : p * (dp[c][x] - Di);
-                }
-            }
-            if (drop.threshold) {                       // P_drop = P * Z / (1 - p), dS = P * (dP * Z / (1 - p) - D)
-#pragma unroll 1
-                for (int e = 0; e < KEYS * QPL; ++e) {
-                    const int c = e / QPL, x = e % QPL, i = row0 + lane + 32 * x, j = col0 + wkey + c;
-                    float* pp = &sP[(wkey + c) * LDS + lane + 32 * x];
-                    float* ss = &sS[(wkey + c) * LDS + lane + 32 * x];
-                    const float p = *pp;
-                    if (p == 0.0f) { *ss = 0.0f; continue; }
-                    const float z = keep_scale<R>(drop, bh, i, j);
-                    *pp = p * z;
-                    *ss = p * (*ss * z - Dv[(long long)bh * Nq + i]);
-                }
-            }
-            __syncwarp();
-            // dV += P_drop^T dO, dK += dS^T Q (this warp's keys, the lane's head-dim columns)
-#pragma unroll 2
-            for (int r = 0; r < BR; r += 4) {
-                float ov[4][DPL], qv[4][DPL];
-#pragma unroll
-                for (int y = 0; y < 4; ++y)
-#pragma unroll
-                    for (int u = 0; u < DPL; ++u) {
-                        ov[y][u] = sdO[(r + y) * LD + lane + 32 * u];
-                        qv[y][u] = sQ[(r + y) * LD + lane + 32 * u];
-                    }
-#pragma unroll
-                for (int c = 0; c < KEYS; ++c) {
-                    const float4 pv = *reinterpret_cast<const float4*>(&sP[(wkey + c) * LDS + r]);
-                    const float4 sv = *reinterpret_cast<const float4*>(&sS[(wkey + c) * LDS + r]);
-#pragma unroll
-                    for (int u = 0; u < DPL; ++u) {
-                        dv[c][u] = fmaf(pv.w, ov[3][u], fmaf(pv.z, ov[2][u], fmaf(pv.y, ov[1][u], fmaf(pv.x, ov[0][u], dv[c][u]))));
-                        dk[c][u] = fmaf(sv.w, qv[3][u], fmaf(sv.z, qv[2][u], fmaf(sv.y, qv[1][u], fmaf(sv.x, qv[0][u], dk[c][u]))));
-                    }
-                }
-            }
-            if (ATOMIC_DQ) {                            // dQ[i] += scale * sum_j dS[i, j] K[j]
-                __syncthreads();                        // every warp's dS^T is in sS
-                for (int e = threadIdx.x; e < BR * D; e += THREADS) {
-                    const int r = e / D, c = e % D, i = row0 + r;
-                    if (i >= Nq || c >= d) continue;
-                    float a = 0.0f;
-                    for (int j = 0; j < BC; ++j) a = fmaf(sS[j * LDS + r], sK[j * LD + c], a);
-                    if (a != 0.0f) atomicAdd(&dQ[((long long)bh * Nq + i) * d + c], a * scale);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < KEYS; ++c) {
-        const int j = col0 + wkey + c;
-        if (j >= Nk) break;
-        float* dkr = dK + ((long long)bhk * Nk + j) * d;
-        float* dvr = dV + ((long long)bhk * Nk + j) * d;
-#pragma unroll
-        for (int u = 0; u < DPL; ++u) {
-            const int x = lane + 32 * u;
-            if (x < d) { dkr[x] = dk[c][u] * scale; dvr[x] = dv[c][u]; }
-        }
-    }
+    kv_tile_backward<D, BR, BC, WARPS, ATOMIC_DQ ? DQ_ATOMIC : DQ_NONE, R>(
+        blockIdx.x, Q, q_sb, q_sh, q_sm, K, k_sb, k_sh, k_sm, V, v_sb, v_sh, v_sm, dO, do_sb, do_sh, do_sm,
+        LSE, Dv, dQ, dK, dV, tiles, tile_heads, Hq, Hkv, group, Nq, Nk, d, scale,
+        band_lo, band_hi, layout, layout_heads, mask_bq, mask_bk, mask_nbq, mask_nbk,
+        drop_threshold, drop_inv_keep, drop_seed, drop_offset);
 }
 
 // Deterministic dQ: one block per Q tile, K/V tiles in a fixed order, no atomics. Warps own

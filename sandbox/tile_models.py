@@ -2,8 +2,11 @@
 kernels_cu/fa2_exact.cu, in float64, so that CI (no GPU) checks the algorithms themselves (tile
 skipping, split-K reductions, online softmax, column-parallel backward) against the oracle.
 
+fa1_forward: FA1 paper Algorithm 1 as kernels_cu/fa1_exact.cu runs it: K/V tiles outer, Q tiles
+    inner, O (normalised), l and m read and written back on every step; split-K reduces each step.
 fa2_forward: FA2 paper Algorithm 1, with the kernel's warp partitioning (split "q" or "k").
-fa2_backward: FA2 paper Algorithm 2 (column-parallel, dQ accumulated across column blocks).
+fa2_backward: FA2 paper Algorithm 2 (column-parallel, dQ accumulated across column blocks); FA1's
+    Algorithm 4 is the same loop nest run by one block per head (dQ read-modified-written).
 """
 from __future__ import annotations
 
@@ -22,6 +25,52 @@ def _setup(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask):
     z = (dropout_mask((B, Hq, Nq, Nk), dropout_p, seed, offset) / (1 - dropout_p)) if dropout_p else None
     band = Band.from_options(Nq, Nk, causal, window)
     return q, k, v, B, Hq, Hkv, Nq, Nk, d, scale, vis, z, band
+
+
+def fa1_forward(q, k, v, block_r=16, block_c=128, split="k", warps=4, causal=False, scale=None,
+                dropout_p=0.0, seed=0, offset=0, window=None, block_mask=None):
+    q, k, v, B, Hq, Hkv, Nq, Nk, d, scale, vis, z, band = _setup(q, k, v, causal, scale, dropout_p, seed,
+                                                                  offset, window, block_mask)
+    tiles = classify_tiles(Nq, Nk, block_r, block_c, band, block_mask)
+    O = np.zeros((B, Hq, Nq, d)); m_hbm = np.full((B, Hq, Nq), -np.inf); l_hbm = np.zeros((B, Hq, Nq))
+    parts = [slice(w * block_c // warps, (w + 1) * block_c // warps) for w in range(warps)] if split == "k" \
+        else [slice(0, block_c)]
+    for b in range(B):
+        for h in range(Hq):                               # one thread block per (batch, head)
+            hk = h // (Hq // Hkv)
+            for tc in range(-(-Nk // block_c)):           # outer: K_j, V_j
+                c0 = tc * block_c
+                for tr in range(-(-Nq // block_r)):       # inner: Q_i, O_i, l_i, m_i
+                    if tiles[min(h, tiles.shape[0] - 1), tr, tc] == TILE_EMPTY:
+                        continue
+                    rows = slice(tr * block_r, min((tr + 1) * block_r, Nq))
+                    s_parts, mt = [], np.full(rows.stop - rows.start, -np.inf)
+                    for part in parts:
+                        cols = np.arange(c0 + part.start, min(c0 + part.stop, Nk))
+                        s = scale * q[b, h, rows] @ k[b, hk, cols].T
+                        s = np.where(vis[min(h, vis.shape[0] - 1), rows][:, cols], s, -np.inf)
+                        s_parts.append((cols, s))
+                        mt = np.maximum(mt, s.max(axis=1, initial=-np.inf))
+                    m_use = np.where(np.isfinite(mt), mt, 0.0)
+                    lt, pv = 0.0, 0.0
+                    for cols, s in s_parts:               # split-K: partial sums added in warp order
+                        p = np.exp(s - m_use[:, None])
+                        lt = lt + p.sum(axis=1)
+                        pd = p if z is None else p * z[b, h, rows][:, cols]
+                        pv = pv + pd @ v[b, hk, cols]
+                    live = np.isfinite(mt)                # rows with something visible in this tile
+                    m_old, l_old = m_hbm[b, h, rows], l_hbm[b, h, rows]
+                    m_new = np.where(live, np.maximum(m_old, mt), m_old)
+                    mn = np.where(live, m_new, 0)
+                    a = np.exp(np.where(live, m_old, 0) - mn)                      # exp(m_old - m_new)
+                    bt = np.where(live, np.exp(m_use - mn), 0)                     # exp(m~ - m_new)
+                    l_new = np.where(live, a * l_old + bt * lt, l_old)
+                    upd = (l_old * a)[:, None] * O[b, h, rows] + bt[:, None] * pv
+                    O[b, h, rows] = np.where(live[:, None], upd / np.where(live, l_new, 1)[:, None], O[b, h, rows])
+                    m_hbm[b, h, rows], l_hbm[b, h, rows] = m_new, l_new
+    alive = l_hbm > 0
+    lse = np.where(alive, m_hbm + np.log(np.where(alive, l_hbm, 1)), -np.inf)
+    return O, lse
 
 
 def fa2_forward(q, k, v, block_r=64, block_c=64, split="q", warps=4, causal=False, scale=None,

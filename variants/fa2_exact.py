@@ -15,7 +15,8 @@ against; it runs on CUDA cores, so its ceiling is the fp32 FMA rate).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +35,23 @@ def d_pad(d: int) -> int:
     return next(p for p in D_PADS if p >= d)
 
 
+def device_smem_bytes() -> int:
+    """Per-block opt-in shared memory of the current GPU; without one, the H100's."""
+    from sandbox.device import cupy_or_none
+    cp = cupy_or_none()
+    if cp is None:
+        return SMEM_LIMIT
+    return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["sharedMemPerBlockOptin"])
+
+
+def fa1_rule(d: int, smem_bytes: int) -> tuple[int, int]:
+    """The FA1 paper's block sizes (Algorithm 1, line 1): Bc = ceil(M / 4d), Br = min(Bc, d), with
+    M the on-chip memory in elements (fp32 here)."""
+    M = smem_bytes // 4
+    bc = math.ceil(M / (4 * d))
+    return min(bc, d), bc
+
+
 # ---- config
 
 @dataclass(frozen=True)
@@ -44,6 +62,22 @@ class FA2Config:
     warps: int = 4
     philox_rounds: int = 10
     deterministic: bool = False
+    block: str = "manual"
+
+    def for_head_dim(self, D: int) -> "FA2Config":
+        """block="auto-fa1": Br, Bc from the FA1 paper's rule on this device, rounded down to the
+        sizes the kernel is built for and stepped down until the config fits its envelope."""
+        if self.block == "manual":
+            return self
+        br_rule, bc_rule = fa1_rule(D, device_smem_bytes())
+        brs = [b for b in BLOCK_R if b <= br_rule] or [min(BLOCK_R)]
+        bcs = [b for b in BLOCK_C if b <= bc_rule] or [min(BLOCK_C)]
+        for bc in sorted(bcs, reverse=True):
+            for br in sorted(brs, reverse=True):
+                cfg = replace(self, block_r=br, block_c=bc, block="manual")
+                if not cfg.envelope_errors(D):
+                    return cfg
+        return replace(self, block_r=min(brs), block_c=min(bcs), block="manual")
 
     # forward geometry
     def rows_per_warp(self) -> int:
@@ -89,7 +123,7 @@ class FA2Config:
                 self.dq_name(D): 4 * (2 * qbr * ld + 2 * qbc * ld + 2 * qw * (qbr // qw) * (qbc + 4))}
 
     def unit(self, D: int) -> CompileUnit:
-        names = [self.forward_name(D), self.dkdv_name(D), "fa2_bwd_preprocess"]
+        names = [self.forward_name(D), self.dkdv_name(D), "bwd_preprocess"]
         if self.deterministic:
             names.append(self.dq_name(D))
         smem = {self.forward_name(D): self.forward_smem(D), **self.bwd_smem(D)}
@@ -122,18 +156,19 @@ def _qkv_strides(x):
 class FA2Exact:
     def __init__(self, deterministic: bool):
         self.deterministic = deterministic
+        self.name = "fa2-deterministic" if deterministic else "fa2"
 
-    def configure(self, split="q", block_r=64, block_c=64, warps=4, philox_rounds=10):
-        return FA2Config(split, block_r, block_c, warps, philox_rounds, self.deterministic)
+    def configure(self, split="q", block_r=64, block_c=64, warps=4, philox_rounds=10, block="manual"):
+        return FA2Config(split, block_r, block_c, warps, philox_rounds, self.deterministic, block)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
 
     def check(self, problem, config, direction):
+        config = config.for_head_dim(d_pad(problem.d))
         errs = config.envelope_errors(d_pad(problem.d))
         if errs:
-            name = "fa2-deterministic" if self.deterministic else "fa2"
-            raise ValueError(f"variant {name!r} with {config}: " + "; ".join(errs))
+            raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
     def report_configs(self):
         return [{}, {"split": "k", "block_r": 16, "block_c": 128}, {"split": "k", "block_r": 32, "block_c": 128},
@@ -144,10 +179,12 @@ class FA2Exact:
     TUNED = {("q", 64, 64, 4), ("q", 128, 64, 8)}
 
     def tuned(self, config) -> bool:
+        if config.block != "manual":          # resolved per head dim and device: reported, not held
+            return False
         return (config.split, config.block_r, config.block_c, config.warps) in self.TUNED
 
     def compile_units(self, config):
-        return [config.unit(D) for D in (64, 128) if not config.envelope_errors(D)]
+        return [config.for_head_dim(D).unit(D) for D in (64, 128) if not config.for_head_dim(D).envelope_errors(D)]
 
     def _tiles(self, p, br, bc, xp):
         t = classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)
@@ -156,6 +193,7 @@ class FA2Exact:
     def forward(self, p, q, k, v, config):
         import cupy as xp
         D = d_pad(p.d)
+        config = config.for_head_dim(D)
         unit = config.unit(D)
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
@@ -171,11 +209,12 @@ class FA2Exact:
     def backward(self, p, dout, q, k, v, out, lse, config):
         import cupy as xp
         D = d_pad(p.d)
+        config = config.for_head_dim(D)
         unit = config.unit(D)
         br, bc, w = config.bwd_tiles(D)
         rows = p.B * p.Hq * p.Nq
         Dv = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
-        launch(unit, "fa2_bwd_preprocess", (-(-rows // 8),), (256,),
+        launch(unit, "bwd_preprocess", (-(-rows // 8),), (256,),
                (dout, *_qkv_strides(dout), out, Dv, i32(p.Hq), i32(p.Nq), i32(p.d), i32(rows)))
         dq = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=xp.float32)
@@ -199,12 +238,15 @@ class FA2Exact:
         return dq, dk, dv
 
 
+BLOCK_R, BLOCK_C = (16, 32, 64, 128), (32, 64, 128)
 PARAMS = (
     Param("split", ("q", "k"), "q", "warp partitioning: q = FA2 (warps own rows), k = FA1 (warps split keys)"),
-    Param("block_r", (16, 32, 64, 128), 64, "Br: query rows per thread block"),
-    Param("block_c", (32, 64, 128), 64, "Bc: keys per K/V tile"),
+    Param("block_r", BLOCK_R, 64, "Br: query rows per thread block"),
+    Param("block_c", BLOCK_C, 64, "Bc: keys per K/V tile"),
     Param("warps", (2, 4, 8), 4, "warps per thread block"),
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+    Param("block", ("manual", "auto-fa1"), "manual",
+          "auto-fa1: Br, Bc from the FA1 paper's rule Bc = ceil(M/4d), Br = min(Bc, d) on this device"),
 )
 CAPS = Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129)))
 
