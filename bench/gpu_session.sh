@@ -47,8 +47,12 @@ $PY -c "import json; json.dump([json.load(open(f)) for f in ('/tmp/run.json', '/
 
 step "exact-tier grid (fp32, d = 64, FA2 paper protocol)"
 $PY bench/grid.py --dtype float32 --headdim 64 --out /tmp/grid --reps ${GRID_REPS:-10} 2>&1 | tail -14
-cp /tmp/grid/grid_float32_d64.md "$OUT/grid.md"
-$PY -c "import json; b = json.load(open('$OUT/bench.json')); b.append({'grid_float32_d64': json.load(open('/tmp/grid/grid_float32_d64.json'))}); json.dump(b, open('$OUT/bench.json', 'w'), indent=1)"
+cp /tmp/grid/grid_float32_d64.md "$OUT/tables.md"
+
+step "softmax: naive / safe / online (CUDA C and Numba), fp32, 4000 vectors"
+$PY bench/softmax_bench.py --out /tmp/softmax --reps ${GRID_REPS:-10} 2>&1 | tail -8
+{ echo; cat /tmp/softmax/softmax.md; } >> "$OUT/tables.md"
+$PY -c "import json; b = json.load(open('$OUT/bench.json')); b.append({'grid_float32_d64': json.load(open('/tmp/grid/grid_float32_d64.json'))}); b.append({'softmax': json.load(open('/tmp/softmax/softmax.json'))}); json.dump(b, open('$OUT/bench.json', 'w'), indent=1)"
 
 fi
 

@@ -38,7 +38,7 @@ lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp
 table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").splitlines()
          if l.startswith("|") or l.startswith("problem:")]
 lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
-lines += ["## Exact-tier grid", "", read("grid.md").strip(), ""]
+lines += ["## Tables (exact-tier grid, softmax)", "", read("tables.md").strip(), ""]
 print("\n".join(lines))
 
 

@@ -9,7 +9,7 @@ Baselines in the same run: PyTorch SDPA (flash = FlashAttention-2, cuDNN, math =
 attention) in fp16 (their kernels have no fp32 path except math).
 
     python bench/grid.py --dtype float32 --headdim 64 --seqlens 1024,2048,4096,8192 \
-        --variants standard,fa2,fa2:split=k+block_r=16+block_c=128,numba-rowwise --out out/
+        --variants standard,fa1,fa1:split=q,fa2,fa2:split=k+block_r=16+block_c=128 --out out/
 """
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ from sandbox.problem import make_problem
 from sandbox.timing import tflops, time_fn
 
 CHECK_ROWS = 1024
+# the exact-tier ladder: standard, FA1 split-K (its own partitioning) and split-Q, FA2 split-Q (its
+# own) and split-K, the Numba versions
+DEFAULT_VARIANTS = ("standard", "fa1", "fa1:split=q", "fa2", "fa2:split=k+block_r=16+block_c=128", "numba-rowwise")
 
 
 def parse_variant(spec: str):
@@ -67,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="1024,2048,4096,8192")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--variants", default="standard,fa2,fa2:split=k+block_r=16+block_c=128,numba-rowwise")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--out", default="out")

@@ -10,7 +10,9 @@ SMEM_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}   # max shared memory pe
 
 
 def units():
-    """(variant name, params, CompileUnit) for every CUDA variant and every config it lists."""
+    """(variant name, params, CompileUnit) for every CUDA variant and every config it lists, then
+    the kernels that are not attention variants (the lecture's softmax algorithms)."""
+    from . import softmax
     for v in all_variants().values():
         if v.backend != "cuda":
             continue
@@ -18,6 +20,7 @@ def units():
             bound = v.bind(**params)
             for unit in v.impl.compile_units(bound.config):
                 yield v.name, bound, unit
+    yield "softmax", None, softmax.unit()
 
 
 def report(archs=ARCHS):
@@ -25,8 +28,8 @@ def report(archs=ARCHS):
     for name, bound, unit in units():
         for arch in archs:
             for r in loader.compile_only(unit, arch):
-                tuned = getattr(bound.variant.impl, "tuned", lambda c: True)(bound.config)
-                rows.append({"variant": name, "config": repr(bound), "unit": unit.label, "kernel": r.name,
+                tuned = bound is None or getattr(bound.variant.impl, "tuned", lambda c: True)(bound.config)
+                rows.append({"variant": name, "config": repr(bound) if bound else name, "unit": unit.label, "kernel": r.name,
                              "arch": arch, "registers": r.registers, "spill_stores": r.spill_stores,
                              "spill_loads": r.spill_loads, "stack": r.stack, "static_smem": r.static_smem,
                              "dynamic_smem": r.dynamic_smem, "smem_limit": SMEM_LIMIT[arch], "tuned": tuned,
