@@ -1,5 +1,9 @@
 """Summarise a GPU session's $OUT folder (bench/gpu_session.sh) as markdown: device, date, commit,
-test results, oracle-checked example counts, sanitizer verdicts, and the benchmark tables."""
+test results, oracle-checked example counts, sanitizer verdicts, and the benchmark tables.
+
+    COMMIT=<sha> python bench/gpu_summary.py OUT [OUT2 ...]
+Several folders (a tests call and a bench call of one session) are merged: each file is read from
+the first folder that has it."""
 import datetime
 import json
 import os
@@ -7,24 +11,36 @@ import re
 import sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
+outs = [Path(a) for a in sys.argv[1:]]
+out = outs[0]
 
 
 def read(name):
-    p = out / name
-    return p.read_text() if p.exists() else ""
+    for o in outs:
+        if (o / name).exists():
+            return (o / name).read_text()
+    return ""
+
+
+def device_lines():
+    """(device, software): from device.txt while the session runs, else from an earlier summary."""
+    if read("device.txt"):
+        lines = read("device.txt").strip().splitlines()
+        return lines[1], lines[-1]
+    found = dict(re.findall(r"^- (device|software): (.*)$", read("summary.md"), re.M))
+    return found.get("device", "unknown"), found.get("software", "")
 
 
 lines = [f"# GPU session summary", "",
          f"- date: {datetime.date.today().isoformat()}",
          f"- commit: {os.environ.get('COMMIT', 'unknown')}",
-         f"- device: {read('device.txt').strip().splitlines()[1] if read('device.txt') else 'unknown'}",
-         f"- software: {read('device.txt').strip().splitlines()[-1] if read('device.txt') else ''}", ""]
+         f"- device: {device_lines()[0]}",
+         f"- software: {device_lines()[1]}", ""]
 log = read("pytest.log")
 # pytest -q prints its verdict bare ("90 passed, 1 skipped in 364.40s"), otherwise between "=" rules
 m = re.findall(r"^=*\s*(\d+ (?:passed|failed|error).*?)\s*=*$", log, re.M)
 lines += ["## Tests", "", f"- pytest: {m[-1] if m else 'not run in this call'}"]
-if (out / "fuzz.json").exists():
+if read("fuzz.json"):
     fz = json.loads(read("fuzz.json"))
     lines.append(f"- oracle-checked Hypothesis examples: {fz['total']}")
     lines += [f"  - {k}: {n}" for k, n in sorted(fz["by_variant"].items())]
@@ -62,7 +78,7 @@ def grid_ratios(rows):
     return out
 
 
-if (out / "bench.json").exists():
+if read("bench.json"):
     for entry in json.loads(read("bench.json")):
         if isinstance(entry, dict):
             for name, rows in entry.items():
