@@ -52,7 +52,19 @@ cp /tmp/grid/grid_float32_d64.md "$OUT/tables.md"
 step "softmax: naive / safe / online (CUDA C and Numba), fp32, 4000 vectors"
 $PY bench/softmax_bench.py --out /tmp/softmax --reps ${GRID_REPS:-10} 2>&1 | tail -8
 { echo; cat /tmp/softmax/softmax.md; } >> "$OUT/tables.md"
-$PY -c "import json; b = json.load(open('$OUT/bench.json')); b.append({'grid_float32_d64': json.load(open('/tmp/grid/grid_float32_d64.json'))}); b.append({'softmax': json.load(open('/tmp/softmax/softmax.json'))}); json.dump(b, open('$OUT/bench.json', 'w'), indent=1)"
+
+step "dropout axis: replay vs packed mask (fa2, fp32)"
+$PY bench/dropout_bench.py --out /tmp/dropout 2>&1 | tail -8
+{ echo; cat /tmp/dropout/dropout.md; } >> "$OUT/tables.md"
+$PY - "$OUT/bench.json" <<'EOF'
+import json, os, sys
+b = json.load(open(sys.argv[1]))
+for name, path in (("grid_float32_d64", "/tmp/grid/grid_float32_d64.json"), ("softmax", "/tmp/softmax/softmax.json"),
+                   ("dropout", "/tmp/dropout/dropout.json")):
+    if os.path.exists(path):
+        b.append({name: json.load(open(path))})
+json.dump(b, open(sys.argv[1], "w"), indent=1)
+EOF
 
 fi
 

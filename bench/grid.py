@@ -29,7 +29,8 @@ from sandbox.timing import tflops, time_fn
 CHECK_ROWS = 1024
 # the exact-tier ladder: standard, FA1 split-K (its own partitioning) and split-Q, FA2 split-Q (its
 # own) and split-K, the Numba versions
-DEFAULT_VARIANTS = ("standard", "fa1", "fa1:split=q", "fa2", "fa2:split=k+block_r=16+block_c=128", "numba-rowwise")
+DEFAULT_VARIANTS = ("standard", "fa1", "fa1:split=q", "fa2", "fa2:split=k+block_r=16+block_c=128",
+                    "numba-fa1", "numba-fa2", "numba-rowwise")
 
 
 def parse_variant(spec: str):

@@ -47,7 +47,7 @@ kv_tile_backward(int tc,                           // the K/V tile this block ow
              float* __restrict__ dV,            // [B, Hkv, Nk, d] contiguous
              const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
              int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d, float scale,
-             MASK_PARAMS, DROPOUT_PARAMS) {
+             MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int KEYS = BC / WARPS, QPL = BR / 32, DPL = D / 32, LD = D + PAD, LDS = BR + PAD;
     static_assert(D % 32 == 0 && D <= 128 && BC % WARPS == 0 && BR % 32 == 0, "tile envelope");
@@ -61,6 +61,7 @@ kv_tile_backward(int tc,                           // the K/V tile this block ow
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
+    const PackedMask pm = PACKED_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
     const int col0 = tc * BC, wkey = warp * KEYS;
@@ -137,7 +138,7 @@ kv_tile_backward(int tc,                           // the K/V tile this block ow
                     float* ss = &sS[(wkey + c) * LDS + lane + 32 * x];
                     const float p = *pp;
                     if (p == 0.0f) { *ss = 0.0f; continue; }
-                    const float z = keep_scale<R>(drop, bh, i, j);
+                    const float z = keep_scale_bwd<R>(drop, pm, bh, Nq, i, j);
                     *pp = p * z;
                     *ss = p * (*ss * z - Dv[(long long)bh * Nq + i]);
                 }

@@ -65,3 +65,43 @@ __device__ __forceinline__ float keep_scale(const Dropout& drop, int bh, int i, 
     const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
     return dropout_factor(drop, word_of(w, j & 3));
 }
+
+// The dropout axis "packed" (vs "replay", the contract's default): the forward stores the keep
+// mask bit-packed, bits[(bh * Nq + i) * words + j / 32] bit j % 32, and the backward reads it
+// instead of running Philox again. Costs Nq * Nk / 8 bytes per head of HBM; saves the backward's
+// Philox. The forward writes one 32-bit word per warp-row with a ballot (32 consecutive keys).
+#define PACKED_PARAMS unsigned* __restrict__ drop_bits, int drop_words, int drop_packed
+#define PACKED_FROM_PARAMS PackedMask{drop_bits, drop_words, drop_packed}
+#define PACKED_ARGS drop_bits, drop_words, drop_packed
+
+struct PackedMask {
+    unsigned* bits;
+    int words;                  // ceil(Nk / 32)
+    int packed;                 // 0: replay from (seed, offset); 1: store (forward) / read (backward)
+
+    __device__ __forceinline__ float read(const Dropout& drop, int bh, int Nq, int i, int j) const {
+        const unsigned w = bits[((long long)bh * Nq + i) * words + (j >> 5)];
+        return (w >> (j & 31)) & 1u ? drop.inv_keep : 0.0f;
+    }
+};
+
+// Keep factor of (i, j) in the backward: replayed or read from the stored mask.
+template <int R>
+__device__ __forceinline__ float keep_scale_bwd(const Dropout& drop, const PackedMask& pm, int bh, int Nq, int i, int j) {
+    return pm.packed ? pm.read(drop, bh, Nq, i, j) : keep_scale<R>(drop, bh, i, j);
+}
+
+// Forward dropout of one element held by a lane, j = jw + lane: scales *pp by the keep factor and,
+// when packing, the warp stores the 32 keep bits of keys jw .. jw + 31 (every lane must call).
+template <int R>
+__device__ __forceinline__ void dropout_fwd(float* pp, const Dropout& drop, const PackedMask& pm, int bh,
+                                            int Nq, int Nk, int i, int jw, int lane) {
+    const int j = jw + lane;
+    const bool live = *pp != 0.0f;
+    const float z = (live || pm.packed) ? keep_scale<R>(drop, bh, i, j) : 0.0f;
+    if (live) *pp *= z;
+    if (pm.packed) {
+        const unsigned word = __ballot_sync(0xffffffffu, z != 0.0f);
+        if (lane == 0 && i < Nq && jw < Nk) pm.bits[((long long)bh * Nq + i) * pm.words + (jw >> 5)] = word;
+    }
+}

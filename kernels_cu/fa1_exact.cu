@@ -34,7 +34,7 @@ fa1_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
             float* __restrict__ LSE,                 // [B, Hq, Nq]
             const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)] classes
             int tile_heads, int Hq, int group, int Nq, int Nk, int d, float scale,
-            MASK_PARAMS, DROPOUT_PARAMS) {
+            MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int ROWS = SPLIT_Q ? BR / WARPS : BR;     // query rows per warp
     constexpr int COLS = SPLIT_Q ? BC : BC / WARPS;     // keys per warp per tile
@@ -53,6 +53,7 @@ fa1_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
+    const PackedMask pm = PACKED_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
     const int wrow = SPLIT_Q ? warp * ROWS : 0, wcol = SPLIT_Q ? 0 : warp * COLS;
@@ -146,7 +147,7 @@ fa1_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
                 for (int e = 0; e < ROWS * CPL; ++e) {
                     const int r = e / CPL, c = e % CPL;
                     float* pp = &myP[r * LDP + lane + 32 * c];
-                    if (*pp != 0.0f) *pp *= keep_scale<R>(drop, bh, row0 + wrow + r, col0 + wcol + lane + 32 * c);
+                    dropout_fwd<R>(pp, drop, pm, bh, Nq, Nk, row0 + wrow + r, col0 + wcol + 32 * c, lane);
                 }
             }
             __syncwarp();
@@ -231,7 +232,7 @@ fa1_backward(const float* __restrict__ Q, long long q_sb, long long q_sh, long l
              float* __restrict__ dQ, float* __restrict__ dK, float* __restrict__ dV,         // dQ zeroed
              const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
              int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d, float scale,
-             MASK_PARAMS, DROPOUT_PARAMS) {
+             MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     int c0, c1;
     band_tiles(0, Nq - 1, band_lo, band_hi, Nk, BC, c0, c1);
     for (int tc = c0; tc <= c1; ++tc)
@@ -239,5 +240,5 @@ fa1_backward(const float* __restrict__ Q, long long q_sb, long long q_sh, long l
             tc, Q, q_sb, q_sh, q_sm, K, k_sb, k_sh, k_sm, V, v_sb, v_sh, v_sm, dO, do_sb, do_sh, do_sm,
             LSE, Dv, dQ, dK, dV, tiles, tile_heads, Hq, Hkv, group, Nq, Nk, d, scale,
             band_lo, band_hi, layout, layout_heads, mask_bq, mask_bk, mask_nbq, mask_nbk,
-            drop_threshold, drop_inv_keep, drop_seed, drop_offset);
+            drop_threshold, drop_inv_keep, drop_seed, drop_offset, PACKED_ARGS);
 }

@@ -34,7 +34,7 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
             float* __restrict__ LSE,                 // [B, Hq, Nq]
             const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)] classes
             int tile_heads, int Hq, int group, int Nq, int Nk, int d, float scale,
-            MASK_PARAMS, DROPOUT_PARAMS) {
+            MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int ROWS = SPLIT_Q ? BR / WARPS : BR;     // query rows per warp
     constexpr int COLS = SPLIT_Q ? BC : BC / WARPS;     // keys per warp per tile
@@ -50,6 +50,7 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
+    const PackedMask pm = PACKED_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, wrow = SPLIT_Q ? warp * ROWS : 0, wcol = SPLIT_Q ? 0 : warp * COLS;
@@ -141,7 +142,7 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
             for (int e = 0; e < ROWS * CPL; ++e) {
                 const int r = e / CPL, c = e % CPL;
                 float* pp = &myP[r * LDP + lane + 32 * c];
-                if (*pp != 0.0f) *pp *= keep_scale<R>(drop, b * Hq + h, row0 + wrow + r, col0 + wcol + lane + 32 * c);
+                dropout_fwd<R>(pp, drop, pm, b * Hq + h, Nq, Nk, row0 + wrow + r, col0 + wcol + 32 * c, lane);
             }
         }
         __syncwarp();
@@ -214,12 +215,12 @@ fa2_bwd_dkdv(const float* __restrict__ Q, long long q_sb, long long q_sh, long l
              float* __restrict__ dQ, float* __restrict__ dK, float* __restrict__ dV,
              const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
              int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d, float scale,
-             MASK_PARAMS, DROPOUT_PARAMS) {
+             MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     kv_tile_backward<D, BR, BC, WARPS, ATOMIC_DQ ? DQ_ATOMIC : DQ_NONE, R>(
         blockIdx.x, Q, q_sb, q_sh, q_sm, K, k_sb, k_sh, k_sm, V, v_sb, v_sh, v_sm, dO, do_sb, do_sh, do_sm,
         LSE, Dv, dQ, dK, dV, tiles, tile_heads, Hq, Hkv, group, Nq, Nk, d, scale,
         band_lo, band_hi, layout, layout_heads, mask_bq, mask_bk, mask_nbq, mask_nbk,
-        drop_threshold, drop_inv_keep, drop_seed, drop_offset);
+        drop_threshold, drop_inv_keep, drop_seed, drop_offset, PACKED_ARGS);
 }
 
 // Deterministic dQ: one block per Q tile, K/V tiles in a fixed order, no atomics. Warps own
@@ -235,7 +236,7 @@ fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long lon
            float* __restrict__ dQ,                  // [B, Hq, Nq, d] contiguous
            const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
            int tile_heads, int Hq, int group, int Nq, int Nk, int d, float scale,
-           MASK_PARAMS, DROPOUT_PARAMS) {
+           MASK_PARAMS, DROPOUT_PARAMS, PACKED_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int ROWS = BR / WARPS, CPL = BC / 32, DPL = D / 32, LD = D + PAD, LDP = BC + PAD;
     static_assert(D % 32 == 0 && D <= 128 && BR % WARPS == 0 && BC % 32 == 0, "tile envelope");
@@ -249,6 +250,7 @@ fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
+    const PackedMask pm = PACKED_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, wrow = warp * ROWS, nTc = (Nk + BC - 1) / BC;
@@ -317,7 +319,7 @@ fa2_bwd_dq(const float* __restrict__ Q, long long q_sb, long long q_sh, long lon
                 const int r = e / CPL, c = e % CPL, i = row0 + wrow + r, j = col0 + lane + 32 * c;
                 const float p = myP[r * LDP + lane + 32 * c];
                 float* ss = &myS[r * LDP + lane + 32 * c];
-                *ss = p == 0.0f ? 0.0f : p * (*ss * keep_scale<R>(drop, bh, i, j) - Dv[(long long)bh * Nq + i]);
+                *ss = p == 0.0f ? 0.0f : p * (*ss * keep_scale_bwd<R>(drop, pm, bh, Nq, i, j) - Dv[(long long)bh * Nq + i]);
             }
         }
         __syncwarp();

@@ -27,6 +27,7 @@ class Result:
     problem: Problem = field(repr=False, default=None)
     variant: BoundVariant = field(repr=False, default=None)
     inputs: tuple = field(repr=False, default=())
+    saved: dict = field(repr=False, default_factory=dict)
 
     def __iter__(self):
         return iter((self.out, self.lse, self.rng))
@@ -48,9 +49,10 @@ def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed
     bound.check(problem, "forward")
     kind = arrays.kind_of(q)
     qb, kb, vb = _backend_arrays(bound, (q, k, v), ("q", "k", "v"))
-    out, lse = bound.variant.impl.forward(problem, qb, kb, vb, bound.config)
+    out, lse, *saved = bound.variant.impl.forward(problem, qb, kb, vb, bound.config)
+    saved = saved[0] if saved else {}     # what a variant keeps for its backward (a stored dropout mask)
     return Result(arrays.like(out, kind), arrays.like(lse, kind), (problem.seed, problem.offset),
-                  problem, bound, (qb, kb, vb, out, lse))
+                  problem, bound, (qb, kb, vb, out, lse), saved)
 
 
 def attention(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
@@ -68,8 +70,9 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
     Either pass the forward's Result (its options are reused), or q, k, v, out, lse, rng and the
     same options as the forward.
     """
+    saved = {}
     if res is not None:
-        problem = res.problem
+        problem, saved = res.problem, res.saved
         bound = res.variant if variant is None and not params else _resolve(
             variant if variant is not None else res.variant.name, params)
         qb, kb, vb, ob, lb = res.inputs
@@ -92,5 +95,6 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
         raise ValueError(f"dout has shape {tuple(db.shape)}, expected {(problem.B, problem.Hq, problem.Nq, problem.d)}")
     if dtype_name(db) != problem.dtype:
         raise ValueError(f"dout has dtype {dtype_name(db)}, expected {problem.dtype} like q")
-    grads = bound.variant.impl.backward(problem, db, qb, kb, vb, ob, lb, bound.config)
+    extra = {"saved": saved} if saved or bound.params.get("dropout_store") == "packed" else {}
+    grads = bound.variant.impl.backward(problem, db, qb, kb, vb, ob, lb, bound.config, **extra)
     return tuple(arrays.like(g, kind) for g in grads)

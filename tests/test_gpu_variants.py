@@ -56,20 +56,34 @@ DROPOUT = [(n, dt) for n, v in sorted(all_variants().items()) if v.caps.dropout 
            for dt in v.caps.dtypes]
 
 
+def _choices(name, param):
+    return [c for prm in get_variant(name).variant.params if prm.name == param for c in prm.choices]
+
+
 @pytest.mark.parametrize("name,dtype", DROPOUT)
 @pytest.mark.parametrize("rounds", [10, 7])
-def test_dropout_mask_is_bit_exact(name, dtype, rounds):
-    """q = k = 0 makes P uniform; v = I makes out[i, j] = P_drop[i, j]: the keep mask, read back exactly."""
-    if rounds not in [p for prm in get_variant(name).variant.params if prm.name == "philox_rounds" for p in prm.choices]:
+@pytest.mark.parametrize("store", ["replay", "packed"])
+def test_dropout_mask_is_bit_exact(name, dtype, rounds, store):
+    """q = k = 0 makes P uniform; v = I makes out[i, j] = P_drop[i, j]: the keep mask, read back exactly.
+    With dropout_store="packed" the stored bits are compared too, and the backward reads them."""
+    if rounds not in _choices(name, "philox_rounds"):
         pytest.skip("variant has one Philox setting")
+    if store not in _choices(name, "dropout_store") + ["replay"]:
+        pytest.skip("variant only replays the mask")
+    params = {"philox_rounds": rounds, **({"dropout_store": store} if store == "packed" else {})}
     B, H, Nq, N = 2, 3, 37, 64
     npdt = np.float32 if dtype == "float32" else np.float16
     q = np.zeros((B, H, Nq, N), npdt); k = np.zeros((B, H, N, N), npdt)
     v = np.broadcast_to(np.eye(N, dtype=npdt), (B, H, N, N)).copy()
     seed, offset, p = 2**35 + 17, 5, 0.3
-    res = sandbox.forward(q, k, v, variant=get_variant(name, philox_rounds=rounds), dropout_p=p, seed=seed, offset=offset)
+    res = sandbox.forward(q, k, v, variant=get_variant(name, **params), dropout_p=p, seed=seed, offset=offset)
     kept = np.asarray(res.out) != 0
-    assert np.array_equal(kept, sandbox.philox.dropout_mask((B, H, Nq, N), p, seed, offset, rounds))
+    want = sandbox.philox.dropout_mask((B, H, Nq, N), p, seed, offset, rounds)
+    assert np.array_equal(kept, want)
+    if store == "packed":
+        bits = np.asarray(sandbox.arrays.to_host(res.saved["dropout_bits"]))
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :N].astype(bool)
+        assert np.array_equal(unpacked, want)
     # the backward replays the same mask: dV = P_drop^T dO with dO = e_i picks row i of P_drop
     dout = np.zeros_like(q); dout[:, :, :, 0] = 1
     _, _, dv = sandbox.backward(dout, res)
@@ -149,3 +163,19 @@ def test_deterministic_backward_is_bitwise_reproducible(name):
     for _ in range(19):
         again = sandbox.backward(dout, res)
         assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in all_variants().items()
+                                        if any(p.name == "dropout_store" for p in v.params)))
+def test_packed_dropout_backward_needs_the_forward_result(name):
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 40, 32)).astype(np.float32) for _ in range(3))
+    res = sandbox.forward(q, k, v, variant=name, dropout_store="packed", dropout_p=0.2, seed=4)
+    with pytest.raises(ValueError, match="packed"):
+        sandbox.backward(q, q=q, k=k, v=v, out=res.out, lse=res.lse, rng=res.rng, variant=name,
+                         dropout_store="packed", dropout_p=0.2)
+    ref = sandbox.backward(q, res)                       # the stored mask, read back: same as replay
+    rep = sandbox.backward(q, sandbox.forward(q, k, v, variant=name, dropout_p=0.2, seed=4))
+    for a, b in zip(ref, rep):
+        np.testing.assert_array_equal(np.asarray(a) != 0, np.asarray(b) != 0)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, launch
 from sandbox.registry import Capabilities, Param, Variant, register
 
-from .fa2_exact import BLOCK_C, BLOCK_R, FA2Config, FA2Exact, _qkv_strides, d_pad
+from .fa2_exact import BLOCK_C, BLOCK_R, DROPOUT_STORE, FA2Config, FA2Exact, _qkv_strides, d_pad, packed_mask
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ class FA1Exact(FA2Exact):
         super().__init__(deterministic=True)
         self.name = "fa1"
 
-    def configure(self, split="k", block_r=16, block_c=128, warps=4, philox_rounds=10, block="manual"):
-        return FA1Config(split, block_r, block_c, warps, philox_rounds, True, block)
+    def configure(self, split="k", block_r=16, block_c=128, warps=4, philox_rounds=10, block="manual",
+                  dropout_store="replay"):
+        return FA1Config(split, block_r, block_c, warps, philox_rounds, True, block, dropout_store)
 
     def report_configs(self):
         return [{}, {"split": "q"}, {"split": "q", "block_r": 64, "block_c": 64}, {"block": "auto-fa1"}]
@@ -68,17 +69,19 @@ class FA1Exact(FA2Exact):
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         tiles, tile_heads = self._tiles(p, config.block_r, config.block_c, xp)
         name = config.forward_name(D)
+        packed, saved = packed_mask(p, config, xp)
         launch(unit, name, (1, p.B * p.Hq), (32 * config.warps,),
                (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), out, m, l, lse, tiles, tile_heads,
                 i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale),
-                *mask_args(p, xp), *dropout_args(p)),
+                *mask_args(p, xp), *dropout_args(p), *packed),
                shared_mem=unit.dynamic_smem[name])
-        return out, lse
+        return out, lse, saved
 
-    def backward(self, p, dout, q, k, v, out, lse, config):
+    def backward(self, p, dout, q, k, v, out, lse, config, saved=None):
         import cupy as xp
         D = d_pad(p.d)
         config = config.for_head_dim(D)
+        packed = packed_mask(p, config, xp, saved, forward=False)[0]     # rejects a missing mask first
         unit = config.unit(D)
         br, bc, w = config.bwd_tiles(D)
         rows = p.B * p.Hq * p.Nq
@@ -93,7 +96,7 @@ class FA1Exact(FA2Exact):
         launch(unit, name, (1, p.B * p.Hkv), (32 * w,),
                (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), dout, *_qkv_strides(dout),
                 lse, Dv, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group),
-                i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p)),
+                i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p), *packed),
                shared_mem=unit.dynamic_smem[name])
         return dq, dk, dv
 
@@ -106,6 +109,7 @@ PARAMS = (
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
     Param("block", ("manual", "auto-fa1"), "manual",
           "auto-fa1: Br, Bc from the FA1 paper's rule Bc = ceil(M/4d), Br = min(Bc, d) on this device"),
+    DROPOUT_STORE,
 )
 
 register(Variant(

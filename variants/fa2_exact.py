@@ -63,6 +63,7 @@ class FA2Config:
     philox_rounds: int = 10
     deterministic: bool = False
     block: str = "manual"
+    dropout_store: str = "replay"
 
     def for_head_dim(self, D: int) -> "FA2Config":
         """block="auto-fa1": Br, Bc from the FA1 paper's rule on this device, rounded down to the
@@ -153,13 +154,30 @@ def _qkv_strides(x):
     return strides4(x)[:3]
 
 
+def packed_mask(p, config, xp, saved=None, forward=True):
+    """PACKED_PARAMS of exact_tiles.cuh and what the forward saves: with dropout_store="packed" the
+    forward allocates the bit-packed keep mask [B, Hq, Nq, ceil(Nk/32)] uint32 and the backward
+    reads it back from the forward's Result."""
+    words = -(-p.Nk // 32)
+    if config.dropout_store != "packed" or not p.dropout_p:
+        return (xp.zeros(1, dtype=xp.uint32), i32(words), i32(0)), {}
+    if forward:
+        bits = xp.empty((p.B, p.Hq, p.Nq, words), dtype=xp.uint32)
+        return (bits, i32(words), i32(1)), {"dropout_bits": bits}
+    if not saved or "dropout_bits" not in saved:
+        raise ValueError("dropout_store='packed': the backward reads the keep mask the forward stored; "
+                         "pass the forward's Result to backward()")
+    return (saved["dropout_bits"], i32(words), i32(1)), saved
+
+
 class FA2Exact:
     def __init__(self, deterministic: bool):
         self.deterministic = deterministic
         self.name = "fa2-deterministic" if deterministic else "fa2"
 
-    def configure(self, split="q", block_r=64, block_c=64, warps=4, philox_rounds=10, block="manual"):
-        return FA2Config(split, block_r, block_c, warps, philox_rounds, self.deterministic, block)
+    def configure(self, split="q", block_r=64, block_c=64, warps=4, philox_rounds=10, block="manual",
+                  dropout_store="replay"):
+        return FA2Config(split, block_r, block_c, warps, philox_rounds, self.deterministic, block, dropout_store)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -199,17 +217,19 @@ class FA2Exact:
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         tiles, tile_heads = self._tiles(p, config.block_r, config.block_c, xp)
         name = config.forward_name(D)
+        packed, saved = packed_mask(p, config, xp)
         launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
                (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), out, lse, tiles, tile_heads,
                 i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale),
-                *mask_args(p, xp), *dropout_args(p)),
+                *mask_args(p, xp), *dropout_args(p), *packed),
                shared_mem=unit.dynamic_smem[name])
-        return out, lse
+        return out, lse, saved
 
-    def backward(self, p, dout, q, k, v, out, lse, config):
+    def backward(self, p, dout, q, k, v, out, lse, config, saved=None):
         import cupy as xp
         D = d_pad(p.d)
         config = config.for_head_dim(D)
+        packed = packed_mask(p, config, xp, saved, forward=False)[0]     # rejects a missing mask first
         unit = config.unit(D)
         br, bc, w = config.bwd_tiles(D)
         rows = p.B * p.Hq * p.Nq
@@ -220,7 +240,7 @@ class FA2Exact:
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=xp.float32)
         dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=xp.float32)
         tiles, tile_heads = self._tiles(p, br, bc, xp)
-        masks, drop = mask_args(p, xp), dropout_args(p)
+        masks, drop = mask_args(p, xp), dropout_args(p) + packed
         inputs = (q, *_qkv_strides(q), k, *_qkv_strides(k), v, *_qkv_strides(v), dout, *_qkv_strides(dout))
         name = config.dkdv_name(D)
         launch(unit, name, (-(-p.Nk // bc), p.B * p.Hkv), (32 * w,),
@@ -239,6 +259,9 @@ class FA2Exact:
 
 
 BLOCK_R, BLOCK_C = (16, 32, 64, 128), (32, 64, 128)
+DROPOUT_STORE = Param("dropout_store", ("replay", "packed"), "replay",
+                      "replay: the backward regenerates the mask from (seed, offset); packed: the forward "
+                      "stores it bit-packed (Nq*Nk/8 bytes per head) and the backward reads it")
 PARAMS = (
     Param("split", ("q", "k"), "q", "warp partitioning: q = FA2 (warps own rows), k = FA1 (warps split keys)"),
     Param("block_r", BLOCK_R, 64, "Br: query rows per thread block"),
@@ -247,6 +270,7 @@ PARAMS = (
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
     Param("block", ("manual", "auto-fa1"), "manual",
           "auto-fa1: Br, Bc from the FA1 paper's rule Bc = ceil(M/4d), Br = min(Bc, d) on this device"),
+    DROPOUT_STORE,
 )
 CAPS = Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129)))
 
