@@ -18,24 +18,41 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 $PY -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
 
 if [[ $PARTS == *tests* ]]; then
-step "compile report (NVRTC, sm_90; sm_80 is CI's)"
-$PY -m sandbox compile-report --arch sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" | tee -a "$OUT/compile.md"
-tail -2 "$OUT/compile.md"
+step "compile report (NVRTC, sm_90; sm_80 is CI's), in the background"
+( $PY -m sandbox compile-report --arch sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" >> "$OUT/compile.md" ) &
+compile_pid=$!
 
-step "test suite: CPU tests + pytest -m gpu ($GPU_EXAMPLES examples per fuzz test)"
-FUZZ_REPORT="$OUT/fuzz.json" $PY -m pytest -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
-echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
-
-step "compute-sanitizer memcheck + racecheck, one small case per CUDA variant"
-for tool in memcheck racecheck; do
+step "compute-sanitizer memcheck + racecheck, one small case per CUDA variant, in the background"
+sanitize() {   # tool variant -> one verdict line
+  compute-sanitizer --tool "$1" --error-exitcode 9 $PY -m sandbox run --variants "$2" --batch 1 --heads 2 \
+    --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal --backward > "/tmp/sanitizer-$1-$2.log" 2>&1
+  echo "$1 $2 rc=$? $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitizer-$1-$2.log")"
+}
+(
   for v in $($PY -c "import sandbox; print(' '.join(r['name'] for r in sandbox.variants() if r['backend']=='cuda'))"); do
-    compute-sanitizer --tool $tool --error-exitcode 9 $PY -m sandbox run --variants "$v" --batch 1 --heads 2 \
-      --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal --backward > /tmp/sanitizer.log 2>&1
-    rc=$?
-    cat /tmp/sanitizer.log >> "$OUT/sanitizer.log"
-    echo "$tool $v rc=$rc $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/sanitizer.log)" | tee -a "$OUT/sanitizer.txt"
-  done
-done
+    sanitize memcheck "$v" & sanitize racecheck "$v" & wait
+  done > "$OUT/sanitizer.txt"
+  cat /tmp/sanitizer-*.log > "$OUT/sanitizer.log"
+) &
+sanitizer_pid=$!
+
+# The CPU tests are CI's; here only `-m gpu`, spread over pytest-xdist workers (Numba JIT and the
+# oracle are CPU-bound). Each worker writes its example counts to /tmp/fuzz/fuzz.json.<worker>.
+step "GPU test suite: pytest -m gpu on ${WORKERS:-8} workers ($GPU_EXAMPLES examples per fuzz test)"
+rm -rf /tmp/fuzz; mkdir -p /tmp/fuzz
+FUZZ_REPORT=/tmp/fuzz/fuzz.json $PY -m pytest -q -p no:cacheprovider -p xdist -n "${WORKERS:-8}" -m gpu tests \
+  ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -40
+echo "pytest rc=${PIPESTATUS[0]}" | tee -a "$OUT/pytest.log"
+$PY -c "
+import glob, json, sys
+counts = {}
+for part in glob.glob('/tmp/fuzz/fuzz.json.*'):
+    for key, n in json.load(open(part))['by_variant'].items():
+        counts[key] = counts.get(key, 0) + n
+json.dump({'total': sum(counts.values()), 'by_variant': counts}, open(sys.argv[1], 'w'), indent=1)
+" "$OUT/fuzz.json"
+wait $compile_pid $sanitizer_pid
+tail -2 "$OUT/compile.md"; cat "$OUT/sanitizer.txt"
 
 fi
 

@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session):
+    """With FUZZ_REPORT set, each process (pytest-xdist workers included) writes its own counts to
+    FUZZ_REPORT.<worker>; bench/gpu_summary.py adds them up."""
+    path = os.environ.get("FUZZ_REPORT")
+    if path and fuzz.EXAMPLES:
+        with open(f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "w") as f:
+            json.dump({"total": sum(fuzz.EXAMPLES.values()), "by_variant": dict(fuzz.EXAMPLES)}, f, indent=1)
+
+
 def pytest_terminal_summary(terminalreporter):
     if not fuzz.EXAMPLES:
         return
@@ -50,7 +59,3 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("-", f"oracle-checked examples: {total}")
     for key, n in sorted(fuzz.EXAMPLES.items()):
         terminalreporter.write_line(f"  {key:45s} {n}")
-    path = os.environ.get("FUZZ_REPORT")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"total": total, "by_variant": dict(fuzz.EXAMPLES)}, f, indent=1)
