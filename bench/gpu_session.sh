@@ -23,14 +23,16 @@ step "compile report (NVRTC, sm_90; sm_80 is CI's), in the background"
 compile_pid=$!
 
 step "compute-sanitizer memcheck + racecheck, one small case per CUDA variant, in the background"
-sanitize() {   # tool variant -> one verdict line
+sanitize() {   # tool variant [--backward] -> one verdict line
   compute-sanitizer --tool "$1" --error-exitcode 9 $PY -m sandbox run --variants "$2" --batch 1 --heads 2 \
-    --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal --backward > "/tmp/sanitizer-$1-$2.log" 2>&1
-  echo "$1 $2 rc=$? $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitizer-$1-$2.log")"
+    --seqlen 70 --headdim 40 --reps 1 --no-baselines --causal $3 > "/tmp/sanitizer-$1-$2.log" 2>&1
+  echo "$1 $2 ${3:---forward} rc=$? $(grep -m1 -E 'ERROR SUMMARY|RACECHECK SUMMARY' "/tmp/sanitizer-$1-$2.log")"
 }
 (
-  for v in $($PY -c "import sandbox; print(' '.join(r['name'] for r in sandbox.variants() if r['backend']=='cuda'))"); do
-    sanitize memcheck "$v" & sanitize racecheck "$v" & wait
+  # "name:--backward" for variants with a backward, "name:" for forward-only ones
+  for vb in $($PY -c "import sandbox; print(' '.join(r['name'] + (':--backward' if r['capabilities']['backward'] else ':')
+                                                   for r in sandbox.variants() if r['backend'] == 'cuda'))"); do
+    sanitize memcheck "${vb%%:*}" "${vb#*:}" & sanitize racecheck "${vb%%:*}" "${vb#*:}" & wait
   done > "$OUT/sanitizer.txt"
   cat /tmp/sanitizer-*.log > "$OUT/sanitizer.log"
 ) &
@@ -83,6 +85,23 @@ for name, path in (("grid_float32_d64", "/tmp/grid/grid_float32_d64.json"), ("so
 json.dump(b, open(sys.argv[1], "w"), indent=1)
 EOF
 
+fi
+
+if [[ $PARTS == *tc* ]]; then
+step "tensor-core grid (fp16, d = 64 and 128, FA2 paper protocol) with the fp16 GEMM ceiling"
+$PY -c "
+from sandbox import baselines; from sandbox.timing import time_fn, tflops
+fn, flops = baselines.gemm_fp16(8192); t = time_fn(fn, reps=20)
+print(f'fp16 GEMM (cuBLAS via CuPy, 8192^3): {tflops(flops, t.median_ms):.1f} TFLOP/s')" 2>&1 | tee "$OUT/tc_tables.md"
+for d in 64 128; do
+  $PY bench/grid.py --dtype float16 --headdim $d --seqlens ${TC_SEQLENS:-512,1024,2048,4096,8192,16384} \
+    --variants "${TC_VARIANTS:-fa2-tc,fa2-tc:block_r=64+warps=4,fa2-tc:block_c=128,standard}" \
+    --baselines flash,cudnn,math --out /tmp/tc --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -30
+  { echo; cat /tmp/tc/grid_float16_d$d.md; } >> "$OUT/tc_tables.md"
+done
+$PY -c "
+import json; json.dump([{f'grid_float16_d{d}': json.load(open(f'/tmp/tc/grid_float16_d{d}.json'))} for d in (64, 128)],
+                       open('$OUT/tc.json', 'w'), indent=1)"
 fi
 
 step "summary"

@@ -47,7 +47,7 @@ if read("fuzz.json"):
 failed = re.findall(r"^FAILED (.*)$", log, re.M)
 lines += [f"- FAILED {f}" for f in failed]
 verdicts = read("sanitizer.txt") or "\n".join(   # one verdict line per tool and variant
-    l for l in read("sanitizer.log").splitlines() if re.match(r"(memcheck|racecheck) \S+ rc=", l))
+    l for l in read("sanitizer.log").splitlines() if re.match(r"(memcheck|racecheck) \S+ (--\w+ )?rc=", l))
 lines += ["", "## Sanitizer", "", "```", verdicts.strip(), "```", ""]
 comp = read("compile.md")
 lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp.strip() else "", ""]

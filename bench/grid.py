@@ -74,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--baselines", default="flash,cudnn,math", help="SDPA backends timed beside the variants")
     ap.add_argument("--out", default="out")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -83,7 +84,8 @@ def main(argv=None):
     H = args.hidden // d
     variants = [parse_variant(s) for s in args.variants.split(",")]
     rows = []
-    total = len(args.seqlens.split(",")) * 2 * (len(variants) + (0 if args.no_baselines else 3))
+    backends = [] if args.no_baselines else args.baselines.split(",")
+    total = len(args.seqlens.split(",")) * 2 * (len(variants) + len(backends))
     step = 0
     for N in (int(n) for n in args.seqlens.split(",")):
         B = max(1, args.tokens // N)
@@ -107,16 +109,15 @@ def main(argv=None):
                 t = time_fn(lambda: sandbox.forward(q, k, v, variant=bound, causal=causal), reps=args.reps)
                 rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
                              "tflops": tflops(flops, t.median_ms)})
-            if not args.no_baselines:
-                for be in ("flash", "cudnn", "math"):
-                    step += 1
-                    fn = baselines.sdpa(be, B, H, N, N, d, "float16", causal)
-                    if fn is None:
-                        continue
-                    t = time_fn(fn, reps=args.reps)
-                    rows.append({"N": N, "B": B, "H": H, "d": d, "causal": causal, "dtype": "float16",
-                                 "variant": f"sdpa-{be} (fp16)", "status": "baseline", "ms": t.median_ms,
-                                 "tflops": tflops(flops, t.median_ms)})
+            for be in backends:
+                step += 1
+                fn = baselines.sdpa(be, B, H, N, N, d, "float16", causal)
+                if fn is None:
+                    continue
+                t = time_fn(fn, reps=args.reps)
+                rows.append({"N": N, "B": B, "H": H, "d": d, "causal": causal, "dtype": "float16",
+                             "variant": f"sdpa-{be} (fp16)", "status": "baseline", "ms": t.median_ms,
+                             "tflops": tflops(flops, t.median_ms)})
         del q, k, v
         cp.get_default_memory_pool().free_all_blocks()
     write(rows, Path(args.out), f"grid_{dtype}_d{d}")

@@ -1,12 +1,11 @@
-// exact_tiles.cuh: shared pieces of the exact-tier (fp32, CUDA-core) tiled kernels: tile classes,
-// row loads into padded shared memory, warp reductions, the band's tile ranges and the dropout
-// pass. Included by fa1_exact.cu and fa2_exact.cu.
+// exact_tiles.cuh: shared pieces of the exact-tier (fp32, CUDA-core) tiled kernels: row loads into
+// padded shared memory, warp reductions and the dropout pass (tile classes and band ranges:
+// tiles.cuh). Included by fa1_exact.cu and fa2_exact.cu.
 #pragma once
 #include "common.cuh"
 #include "philox.cuh"
+#include "tiles.cuh"
 
-#define TILE_EMPTY 0
-#define TILE_FULL 1
 #define PAD 4          // row padding (floats): keeps float4 rows 16-byte aligned and spreads banks
 // Occupancy target: 256 threads per SM, i.e. 2 blocks of 4 warps or 1 of 8, leaving 255 registers
 // a thread. Without it NVRTC 13.0 aimed at 3 blocks of 128 threads (168 registers) and spilled the
@@ -40,20 +39,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __device__ __forceinline__ float dot4(float4 a, float4 b, float acc) {
     return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, fmaf(a.x, b.x, acc))));
-}
-
-// Column-tile range [t0, t1] that rows [r0, r1] can see under the band lo <= j - i <= hi.
-__device__ __forceinline__ void band_tiles(int r0, int r1, int lo, int hi, int Nk, int BCOLS, int& t0, int& t1) {
-    const long long jlo = max(0LL, (long long)r0 + lo), jhi = min((long long)Nk - 1, (long long)r1 + hi);
-    t0 = (int)(jlo / BCOLS);
-    t1 = jlo > jhi ? t0 - 1 : (int)(jhi / BCOLS);
-}
-
-// Row-tile range [t0, t1] that can see columns [c0, c1].
-__device__ __forceinline__ void band_row_tiles(int c0, int c1, int lo, int hi, int Nq, int BROWS, int& t0, int& t1) {
-    const long long ilo = max(0LL, (long long)c0 - hi), ihi = min((long long)Nq - 1, (long long)c1 - lo);
-    t0 = (int)(ilo / BROWS);
-    t1 = ilo > ihi ? t0 - 1 : (int)(ihi / BROWS);
 }
 
 // Dropout is applied in a separate, deliberately non-unrolled pass over a tile already in shared

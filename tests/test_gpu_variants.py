@@ -84,6 +84,8 @@ def test_dropout_mask_is_bit_exact(name, dtype, rounds, store):
         bits = np.asarray(sandbox.arrays.to_host(res.saved["dropout_bits"]))
         unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[..., :N].astype(bool)
         assert np.array_equal(unpacked, want)
+    if not get_variant(name).variant.caps.backward:
+        return
     # the backward replays the same mask: dV = P_drop^T dO with dO = e_i picks row i of P_drop
     dout = np.zeros_like(q); dout[:, :, :, 0] = 1
     _, _, dv = sandbox.backward(dout, res)
@@ -95,26 +97,29 @@ def test_dropout_mask_is_bit_exact(name, dtype, rounds, store):
 def test_array_types_and_strides(name):
     import cupy as cp
     bound = get_variant(name)
+    dtype = bound.variant.caps.dtypes[0]
+    # 16-bit: |out| < 4 here, where an fp16 ulp is <= 2**-9; P is rounded to fp16 before P V
+    atol = 1e-5 if dtype == "float32" else 1e-2
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 40, 3, 3 * 32)).astype(np.float32)     # (B, N, H, 3 d): a packed QKV layout
+    x = rng.standard_normal((2, 40, 3, 3 * 32)).astype(dtype)          # (B, N, H, 3 d): a packed QKV layout
     q, k, v = (np.transpose(x[..., i * 32:(i + 1) * 32], (0, 2, 1, 3)) for i in range(3))
     ref, _ = sandbox.oracle.forward(q, k, v, causal=True)
     xc = cp.asarray(x)
     qc, kc, vc = (cp.transpose(xc[..., i * 32:(i + 1) * 32], (0, 2, 1, 3)) for i in range(3))
     out = sandbox.attention(qc, kc, vc, variant=bound, causal=True)            # strided views, no copies
     assert isinstance(out, cp.ndarray)
-    np.testing.assert_allclose(out.get(), ref, atol=1e-5)
+    np.testing.assert_allclose(out.get().astype(np.float64), ref, atol=atol)
     torch = pytest.importorskip("torch")
     qt, kt, vt = (torch.as_tensor(np.ascontiguousarray(a), device="cuda") for a in (q, k, v))
     out_t = sandbox.attention(qt, kt, vt, variant=bound, causal=True)
     assert isinstance(out_t, torch.Tensor) and out_t.is_cuda
-    np.testing.assert_allclose(out_t.cpu().numpy(), ref, atol=1e-5)
+    np.testing.assert_allclose(out_t.cpu().numpy().astype(np.float64), ref, atol=atol)
 
 
 @pytest.mark.parametrize("name", sorted(n for n, v in all_variants().items() if v.backend == "cuda"))
 def test_device_arrays_strided_along_d_are_rejected(name):
     import cupy as cp
-    q = cp.zeros((1, 1, 4, 8), cp.float32)
+    q = cp.zeros((1, 1, 4, 8), get_variant(name).variant.caps.dtypes[0])
     q_t = cp.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
     with pytest.raises(ValueError, match="unit stride along d"):
         sandbox.attention(q_t, q, q, variant=name)
@@ -139,6 +144,8 @@ def test_parameter_sweep_matches_oracle(name, direction):
     from hypothesis import assume, strategies as st
     variant = all_variants()[name]
     dtype = variant.caps.dtypes[0]
+    if direction == "backward" and not variant.caps.backward:
+        pytest.skip("forward-only variant")
 
     limits = fuzz.Limits(dims=(33, 40, 64))     # one padded head dim (64): one module per config
 

@@ -1,0 +1,247 @@
+// fa2_tc.cu: FlashAttention-2 forward on tensor cores, fp16 / bf16 inputs, fp32 accumulation.
+//
+// Seed: FA2 paper (002) Algorithm 1 (Q-outer loop, online softmax with the rescaling of O deferred
+// to the end, logsumexp saved), Sec. 3.1 (fewer non-matmul FLOPs: exp2 with the scale folded in,
+// one division per row at the end) and Sec. 3.3 (split-Q: each warp owns 16-row slices of Q and
+// sees every key of a tile, so no inter-warp reduction).
+//
+// Kernels (rungs of the tensor-core ladder; bench/results/ holds their measured speed)
+//   fa2_tc_forward<T, D, BR, BC, WARPS, R>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
+//       mma.sync.m16n8k16 (fp32 accumulate); Q, K, V tiles through cp.async into XOR-swizzled
+//       shared memory (no padding, no bank conflicts) and into registers by ldmatrix (.trans for
+//       V); P stays in registers between the two GEMMs (a C fragment pair is an A fragment).
+//       Pipeline (the flash-attn 2 order): V_j's copy flies while S = Q K_j^T is computed, K_{j+1}'s
+//       while softmax and O += P V_j run; one K and one V buffer.
+// Masks: the host's tile table (EMPTY / FULL / PARTIAL) and the band bound the tile loop (tiles
+// above the causal diagonal are never loaded); the element predicate runs only in partial tiles
+// and the tile that crosses Nk. Dropout: the contract's Philox counters, one call per pair of
+// columns a lane holds (element (b, h, i, j) uses word j % 4 of philox(j / 4, i, b*Hq + h, offset)).
+// Envelope (static_asserts below, ValueError in variants/fa2_tc.py): D in {64, 128} (d <= D and a
+// multiple of 8, zero-filled to D), BR / WARPS a multiple of 16, BC a multiple of 16.
+#include "common.cuh"
+#include "philox.cuh"
+#include "tiles.cuh"
+#include "mma.cuh"
+
+#define LN2 0.6931471805599453f       // lse = (m2 + log2 l) * ln 2 (m2: the row max in log2 units)
+
+// ---- device helpers
+
+// Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into a
+// swizzled [ROWS][D] tile, asynchronously; rows >= N and 16-byte chunks >= d / 8 are zero-filled.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ src, long long srow,
+                                                int row0, int N, int dchunks) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
+        const int e = threadIdx.x + it * THREADS;
+        if ((ROWS * CH) % THREADS != 0 && e >= ROWS * CH) break;
+        const int r = e / CH, c = e % CH;
+        const bool in = row0 + r < N && c < dchunks;
+        const T* g = in ? src + (long long)(row0 + r) * srow + c * 8 : src;
+        cp_async_16(smem_addr(dst + swizzle<D>(r, c)), g, in ? 16 : 0);
+    }
+}
+
+// ---- kernels
+
+template <typename T, int D, int BR, int BC, int WARPS, int R>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
+               const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
+               const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,  // [B, Hkv, Nk, d]
+               T* __restrict__ O,                        // [B, Hq, Nq, d] contiguous
+               float* __restrict__ LSE,                  // [B, Hq, Nq]
+               const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
+               int tile_heads, int Hq, int group, int Nq, int Nk, int d,
+               float scale_log2,                         // scale * log2(e): S in log2 units
+               MASK_PARAMS, DROPOUT_PARAMS) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int RW = BR / WARPS;      // query rows per warp
+    constexpr int MT = RW / 16;         // m16 slices per warp
+    constexpr int NT = BC / 8;          // n8 tiles of S
+    constexpr int ND = D / 8;           // n8 tiles of O
+    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    static_assert(RW % 16 == 0 && BC % 16 == 0, "each warp needs 16k query rows; BC a multiple of 16");
+    extern __shared__ uint4 smem_u4[];
+    T* sQ = reinterpret_cast<T*>(smem_u4);   // [BR][D] swizzled
+    T* sK = sQ + BR * D;                      // [BC][D]
+    T* sV = sK + BC * D;                      // [BC][D]
+
+    const Mask mask = MASK_FROM_PARAMS;
+    const Dropout drop = DROPOUT_FROM_PARAMS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
+    const int row0 = tr * BR, wrow = warp * RW, nTc = (Nk + BC - 1) / BC, dch = d / 8;
+    const T* Kb = K + b * k_sb + hk * k_sh;
+    const T* Vb = V + b * v_sb + hk * v_sh;
+    const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+    int t, t1;
+    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
+    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+
+    load_tile_async<T, BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
+    if (t <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, t * BC, Nk, dch);
+    cp_async_commit();
+
+    float o[MT][ND][4], m[MT][2], l[MT][2];    // l: this lane's partial row sums (quad-reduced at the end)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][n][e] = 0.0f;
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
+
+    while (t <= t1) {
+        int next = t + 1;
+        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
+        const int cls = trow[t], col0 = t * BC;
+        cp_async_wait<0>();
+        __syncthreads();                              // K_t (and Q) landed; every warp is done with V_{t-1}
+        load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);
+        cp_async_commit();
+
+        // S = Q K_t^T (fp32), this warp's RW rows x BC keys
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+                ldmatrix_x4(a[mt], smem_addr(sQ + swizzle<D>(wrow + mt * 16 + lane % 16, kk * 2 + lane / 16)));
+#pragma unroll
+            for (int np = 0; np < NT / 2; ++np) {
+                unsigned bk[4];
+                ldmatrix_x4(bk, smem_addr(sK + swizzle<D>(np * 16 + (lane / 16) * 8 + lane % 8, kk * 2 + (lane / 8) % 2)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(s[mt][2 * np], a[mt], bk);
+                    mma_16816<T>(s[mt][2 * np + 1], a[mt], bk + 2);
+                }
+            }
+        }
+        __syncthreads();                              // every warp is done reading K_t
+        if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
+        cp_async_commit();                            // (an empty group keeps the wait counts fixed)
+
+        // scale into log2 units; mask partial tiles and the tile that crosses Nk
+        const bool masked = cls != TILE_FULL || col0 + BC > Nk;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[mt][n][e] * scale_log2;
+                    if (masked) {
+                        const int i = row0 + wrow + mt * 16 + g + (e >= 2 ? 8 : 0);
+                        const int j = col0 + n * 8 + 2 * tq + (e & 1);
+                        if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) x = NEG_INF;
+                    }
+                    s[mt][n][e] = x;
+                }
+
+        // online softmax (rows g and g + 8 of each m16 slice; a row lives in one quad of lanes)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float m_new = fmaxf(m[mt][hr], mx);
+                const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
+                const float corr = exp2f(m[mt][hr] - m_use);
+                float sum = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+                        const float p = exp2f(s[mt][n][e] - m_use);
+                        s[mt][n][e] = p;
+                        sum += p;
+                    }
+                l[mt][hr] = l[mt][hr] * corr + sum;
+                m[mt][hr] = m_new;
+#pragma unroll
+                for (int n = 0; n < ND; ++n) {
+                    o[mt][n][2 * hr] *= corr;
+                    o[mt][n][2 * hr + 1] *= corr;
+                }
+            }
+
+        if (drop.threshold) {                         // P_drop = P Z / (1 - p); l keeps the undropped sum
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr) {
+                        const int i = row0 + wrow + mt * 16 + g + 8 * hr, j = col0 + n * 8 + 2 * tq;
+                        const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
+                        s[mt][n][2 * hr] *= dropout_factor(drop, word_of(w, j & 3));
+                        s[mt][n][2 * hr + 1] *= dropout_factor(drop, word_of(w, (j & 3) + 1));
+                    }
+        }
+
+        cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)
+        __syncthreads();
+        // O += P V_t: P from registers (two C fragments = one A fragment), V by ldmatrix.trans
+#pragma unroll
+        for (int kk = 0; kk < BC / 16; ++kk) {
+            unsigned pa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                pa[mt][0] = Elem<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                pa[mt][1] = Elem<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                pa[mt][2] = Elem<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                pa[mt][3] = Elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < ND / 2; ++dp) {
+                unsigned bv[4];
+                ldmatrix_x4_trans(bv, smem_addr(sV + swizzle<D>(kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16)));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816<T>(o[mt][2 * dp], pa[mt], bv);
+                    mma_16816<T>(o[mt][2 * dp + 1], pa[mt], bv + 2);
+                }
+            }
+        }
+        t = next;
+    }
+    cp_async_wait<0>();                               // nothing may land after the block exits
+
+    // epilogue: O / l in the input dtype, lse = (m2 + log2 l) ln 2; rows that saw nothing: 0, -inf
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float sum = l[mt][hr];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int i = row0 + wrow + mt * 16 + g + 8 * hr;
+            if (i >= Nq) continue;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            T* orow = O + ((long long)bh * Nq + i) * d;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const int c = n * 8 + 2 * tq;
+                if (c < d)
+                    *reinterpret_cast<unsigned*>(orow + c) = Elem<T>::pack(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
+            }
+            if (tq == 0) LSE[(long long)bh * Nq + i] = sum > 0.0f ? (m[mt][hr] + log2f(sum)) * LN2 : NEG_INF;
+        }
+}

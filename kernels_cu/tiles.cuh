@@ -1,0 +1,23 @@
+// tiles.cuh: what every tiled kernel (exact and tensor-core tier) shares about the host's tile
+// table and the band: the tile classes of sandbox/masks.py and the tile ranges a band can see.
+#pragma once
+
+#define TILE_EMPTY 0      // nothing visible: skipped, never loaded
+#define TILE_FULL 1       // everything visible (for j < Nk): no per-element mask
+                          // (2 = partial: the element predicate is applied)
+
+// ---- device helpers
+
+// Column-tile range [t0, t1] that rows [r0, r1] can see under the band lo <= j - i <= hi.
+__device__ __forceinline__ void band_tiles(int r0, int r1, int lo, int hi, int Nk, int BCOLS, int& t0, int& t1) {
+    const long long jlo = max(0LL, (long long)r0 + lo), jhi = min((long long)Nk - 1, (long long)r1 + hi);
+    t0 = (int)(jlo / BCOLS);
+    t1 = jlo > jhi ? t0 - 1 : (int)(jhi / BCOLS);
+}
+
+// Row-tile range [t0, t1] that can see columns [c0, c1].
+__device__ __forceinline__ void band_row_tiles(int c0, int c1, int lo, int hi, int Nq, int BROWS, int& t0, int& t1) {
+    const long long ilo = max(0LL, (long long)c0 - hi), ihi = min((long long)Nq - 1, (long long)c1 - lo);
+    t0 = (int)(ilo / BROWS);
+    t1 = ilo > ihi ? t0 - 1 : (int)(ihi / BROWS);
+}
