@@ -6,10 +6,11 @@
 // sees every key of a tile, so no inter-warp reduction).
 //
 // Kernels (rungs of the tensor-core ladder; bench/results/ holds their measured speed)
-//   fa2_tc_forward<T, D, BR, BC, WARPS, R>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
+//   fa2_tc_forward<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
 //       mma.sync.m16n8k16 (fp32 accumulate); Q, K, V tiles through cp.async into XOR-swizzled
 //       shared memory (no padding, no bank conflicts) and into registers by ldmatrix (.trans for
 //       V); P stays in registers between the two GEMMs (a C fragment pair is an A fragment).
+//       DROPOUT is a template switch: the unrolled Philox calls cost registers even when unused.
 //       Pipeline (the flash-attn 2 order): V_j's copy flies while S = Q K_j^T is computed, K_{j+1}'s
 //       while softmax and O += P V_j run; one K and one V buffer.
 // Masks: the host's tile table (EMPTY / FULL / PARTIAL) and the band bound the tile loop (tiles
@@ -46,7 +47,7 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ sr
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int R>
+template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
                const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
@@ -64,7 +65,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     constexpr int ND = D / 8;           // n8 tiles of O
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
     static_assert(RW % 16 == 0 && BC % 16 == 0, "each warp needs 16k query rows; BC a multiple of 16");
-    extern __shared__ uint4 smem_u4[];
+    extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sQ = reinterpret_cast<T*>(smem_u4);   // [BR][D] swizzled
     T* sK = sQ + BR * D;                      // [BC][D]
     T* sV = sK + BC * D;                      // [BC][D]
@@ -72,7 +73,8 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
-    const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
+    const int tr = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y,    // last Q tiles first: causal's longest rows start early
+              b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, wrow = warp * RW, nTc = (Nk + BC - 1) / BC, dch = d / 8;
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
@@ -80,6 +82,16 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+
+    // ldmatrix row addresses (bytes, shared window). A lane's swizzled chunk for k-step kk is
+    // (2 kk + c) ^ (row % 8) = 2 kk ^ (c ^ row % 8) with c in {0, 1}, and rows are multiples of 128
+    // bytes, so every k-step's address is the lane's base XOR (kk << 5): one register per operand,
+    // not one per (k-step, tile) as the compiler hoisted from swizzle<D>() (seen: 243 registers).
+    constexpr int ROWB = D * 2;
+    const int r7 = lane & 7;
+    const unsigned q_base = smem_addr(sQ) + (wrow + lane % 16) * ROWB + (((lane / 16) ^ r7) << 4);
+    const unsigned k_base = smem_addr(sK) + ((lane / 16) * 8 + r7) * ROWB + ((((lane / 8) & 1) ^ r7) << 4);
+    const unsigned v_base = smem_addr(sV) + (((lane / 8) & 1) * 8 + r7) * ROWB + (((lane / 16) ^ r7) << 4);
 
     load_tile_async<T, BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
     if (t <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, t * BC, Nk, dch);
@@ -118,11 +130,11 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
             unsigned a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(a[mt], smem_addr(sQ + swizzle<D>(wrow + mt * 16 + lane % 16, kk * 2 + lane / 16)));
+                ldmatrix_x4(a[mt], (q_base ^ (kk << 5)) + mt * 16 * ROWB);
 #pragma unroll
             for (int np = 0; np < NT / 2; ++np) {
                 unsigned bk[4];
-                ldmatrix_x4(bk, smem_addr(sK + swizzle<D>(np * 16 + (lane / 16) * 8 + lane % 8, kk * 2 + (lane / 8) % 2)));
+                ldmatrix_x4(bk, (k_base ^ (kk << 5)) + np * 16 * ROWB);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<T>(s[mt][2 * np], a[mt], bk);
@@ -163,13 +175,13 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                 const float m_new = fmaxf(m[mt][hr], mx);
                 const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
-                const float corr = exp2f(m[mt][hr] - m_use);
+                const float corr = exp2_ftz(m[mt][hr] - m_use);
                 float sum = 0.0f;
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
                     for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                        const float p = exp2f(s[mt][n][e] - m_use);
+                        const float p = exp2_ftz(s[mt][n][e] - m_use);
                         s[mt][n][e] = p;
                         sum += p;
                     }
@@ -182,7 +194,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                 }
             }
 
-        if (drop.threshold) {                         // P_drop = P Z / (1 - p); l keeps the undropped sum
+        if (DROPOUT) {                                // P_drop = P Z / (1 - p); l keeps the undropped sum
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -212,7 +224,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #pragma unroll
             for (int dp = 0; dp < ND / 2; ++dp) {
                 unsigned bv[4];
-                ldmatrix_x4_trans(bv, smem_addr(sV + swizzle<D>(kk * 16 + ((lane / 8) % 2) * 8 + lane % 8, dp * 2 + lane / 16)));
+                ldmatrix_x4_trans(bv, (v_base ^ (dp << 5)) + kk * 16 * ROWB);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<T>(o[mt][2 * dp], pa[mt], bv);

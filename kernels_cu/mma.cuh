@@ -68,6 +68,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, unsigned addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// 2^x on the special-function unit, denormals flushed (exp2f adds range fix-ups around the same
+// MUFU.EX2; softmax terms below 2^-126 of the row max are zero for any 16-bit output anyway).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 16 bytes global -> shared, asynchronous; src_bytes = 0 zero-fills (rows past N, columns past d).
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
