@@ -6,7 +6,8 @@
 // sees every key of a tile, so no inter-warp reduction).
 //
 // Kernels (rungs of the tensor-core ladder; bench/results/ holds their measured speed)
-//   fa2_tc_forward<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
+//   fa2_tc_forward<T, D, BR, BC, WARPS, MINB, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
+//       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
 //       mma.sync.m16n8k16 (fp32 accumulate); Q, K, V tiles through cp.async into XOR-swizzled
 //       shared memory (no padding, no bank conflicts) and into registers by ldmatrix (.trans for
 //       V); P stays in registers between the two GEMMs (a C fragment pair is an A fragment).
@@ -47,8 +48,8 @@ __device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ sr
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+template <typename T, int D, int BR, int BC, int WARPS, int MINB, int R, bool DROPOUT>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
                const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
                const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,  // [B, Hkv, Nk, d]
@@ -79,9 +80,18 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+    const int rlast = min(row0 + BR, Nq) - 1;
+    // A tile's class: from the host's table under a block-sparse layout; from the band alone
+    // otherwise (every tile inside band_tiles' range holds a visible element), which keeps a
+    // dependent global read off the loop's critical path.
+    auto tile_class = [&](int tt) -> int {
+        if (layout_heads) return trow[tt];
+        const int c0 = tt * BC, c1 = min(c0 + BC, Nk) - 1;
+        return (c0 - rlast >= band_lo && c1 - row0 <= band_hi) ? TILE_FULL : TILE_PARTIAL;
+    };
     int t, t1;
-    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
-    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+    band_tiles(row0, rlast, band_lo, band_hi, Nk, BC, t, t1);
+    while (t <= t1 && tile_class(t) == TILE_EMPTY) ++t;
 
     // ldmatrix row addresses (bytes, shared window). A lane's swizzled chunk for k-step kk is
     // (2 kk + c) ^ (row % 8) = 2 kk ^ (c ^ row % 8) with c in {0, 1}, and rows are multiples of 128
@@ -110,8 +120,8 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
     while (t <= t1) {
         int next = t + 1;
-        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
-        const int cls = trow[t], col0 = t * BC;
+        while (next <= t1 && tile_class(next) == TILE_EMPTY) ++next;
+        const int cls = tile_class(t), col0 = t * BC;
         cp_async_wait<0>();
         __syncthreads();                              // K_t (and Q) landed; every warp is done with V_{t-1}
         load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);

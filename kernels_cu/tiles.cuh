@@ -4,7 +4,7 @@
 
 #define TILE_EMPTY 0      // nothing visible: skipped, never loaded
 #define TILE_FULL 1       // everything visible (for j < Nk): no per-element mask
-                          // (2 = partial: the element predicate is applied)
+#define TILE_PARTIAL 2    // some visible: the element predicate is applied
 
 // ---- device helpers
 
