@@ -80,18 +80,9 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
-    const int rlast = min(row0 + BR, Nq) - 1;
-    // A tile's class: from the host's table under a block-sparse layout; from the band alone
-    // otherwise (every tile inside band_tiles' range holds a visible element), which keeps a
-    // dependent global read off the loop's critical path.
-    auto tile_class = [&](int tt) -> int {
-        if (layout_heads) return trow[tt];
-        const int c0 = tt * BC, c1 = min(c0 + BC, Nk) - 1;
-        return (c0 - rlast >= band_lo && c1 - row0 <= band_hi) ? TILE_FULL : TILE_PARTIAL;
-    };
     int t, t1;
-    band_tiles(row0, rlast, band_lo, band_hi, Nk, BC, t, t1);
-    while (t <= t1 && tile_class(t) == TILE_EMPTY) ++t;
+    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
+    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
 
     // ldmatrix row addresses (bytes, shared window). A lane's swizzled chunk for k-step kk is
     // (2 kk + c) ^ (row % 8) = 2 kk ^ (c ^ row % 8) with c in {0, 1}, and rows are multiples of 128
@@ -120,8 +111,8 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
     while (t <= t1) {
         int next = t + 1;
-        while (next <= t1 && tile_class(next) == TILE_EMPTY) ++next;
-        const int cls = tile_class(t), col0 = t * BC;
+        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
+        const int cls = trow[t], col0 = t * BC;
         cp_async_wait<0>();
         __syncthreads();                              // K_t (and Q) landed; every warp is done with V_{t-1}
         load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);
