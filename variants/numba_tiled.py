@@ -19,6 +19,16 @@ block per K/V tile and K/V head, GQA summed in the block) with dQ added by float
 Static shared memory is capped at 48 KB per block (Numba declares it statically): each variant
 checks its (d, Br, Bc) against that before launching. Warp partitioning is not a parameter here:
 phase 1 and 3 spread elements over all threads (neither split-Q nor split-K).
+
+Status (bench/results/h100/2026-11-22-8df9aae.md): numba-fa2 forward 2.0-2.1 TFLOP/s at d = 64,
+0.12x the CUDA C fa2 (the issue's target was 0.5x). Why, from the sm_90 build of the d = 64 kernel
+(Br = 64, Bc = 32, 128 threads; numba-cuda compile_ptx + ptxas -v): 112 registers, no spills, but
+a 128-byte stack frame: `acc` (32 floats a thread, indexed in loops Numba does not unroll) lives in
+local memory, so every P V update is a local load and store; phases 1 and 3 read both operands of
+every FMA from shared memory (the CUDA C kernel holds a 4 x 32 register tile and reads float4s);
+phase 2 runs one thread per query row (64 of 128 busy) and adds two barriers per K/V tile. These
+follow from running under the simulator (no shuffles, no __syncwarp); a GPU-only rung with
+register tiling and warp reductions is the next step.
 """
 from __future__ import annotations
 
