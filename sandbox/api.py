@@ -82,13 +82,15 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
         seed, offset = rng if rng is not None else (0, 0)
         bound = _resolve(variant, params)
         problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask)
+        bound.check(problem, "backward")          # before any array moves to the device
         qb, kb, vb, ob = _backend_arrays(bound, (q, k, v, out), ("q", "k", "v", "out"))
         lb = bound.variant.impl.to_backend(lse, "lse")
         if tuple(ob.shape) != (problem.B, problem.Hq, problem.Nq, problem.d):
             raise ValueError(f"out has shape {tuple(ob.shape)}, expected q's shape")
         if tuple(lb.shape) != (problem.B, problem.Hq, problem.Nq) or str(lb.dtype) != "float32":
             raise ValueError(f"lse must be float32 of shape {(problem.B, problem.Hq, problem.Nq)}")
-    bound.check(problem, "backward")
+    if res is not None:
+        bound.check(problem, "backward")
     kind = arrays.kind_of(dout)
     (db,) = _backend_arrays(bound, (dout,), ("dout",))
     if tuple(db.shape) != (problem.B, problem.Hq, problem.Nq, problem.d):

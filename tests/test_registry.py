@@ -90,3 +90,38 @@ def test_numba_variants_take_any_strides():
     q_t = np.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)   # same values, d-stride != 1
     out = sandbox.attention(q_t, k, v, variant="numba-rowwise")
     np.testing.assert_allclose(out, sandbox.oracle.forward(q, k, v)[0], atol=1e-5)
+
+
+# fa2-tc (tensor-core tier): its envelope is checked before launch, so these run without a GPU.
+@pytest.mark.parametrize("d,params,match", [
+    (40, {}, None),                                                    # d = 40: zero-filled to 64
+    (36, {}, "head dim 36"),                                          # cp.async moves 16-byte chunks
+    (136, {}, "head dim 136"),                                         # above 128
+    (64, {"block_r": 64, "warps": 8}, "multiple of 16"),              # 8 rows per warp
+])
+def test_fa2_tc_envelope(d, params, match):
+    q, k, v = qkv(d=d, dtype=np.float16)
+    bound = sandbox.get_variant("fa2-tc", **params)
+    check = lambda: bound.check(sandbox.problem.make_problem(q, k, v))  # noqa: E731
+    if match is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=match):
+            check()
+
+
+def test_fa2_tc_rejects_fp32_and_backward_before_launch():
+    with pytest.raises(ValueError, match="fa2-tc.*dtype float32"):
+        sandbox.forward(*qkv(d=64), variant="fa2-tc")
+    q, k, v = qkv(d=64, dtype=np.float16)
+    with pytest.raises(ValueError, match="fa2-tc.*backward pass"):
+        sandbox.backward(q, q=q, k=k, v=v, out=q, lse=np.zeros(q.shape[:3], np.float32), variant="fa2-tc")
+
+
+def test_fa2_tc_occupancy_auto_follows_the_accumulators():
+    from variants.fa2_tc import TCConfig
+    assert TCConfig(64, 64, 4).blocks_per_sm(64) == 3            # 32 + 32 + 96 registers
+    assert TCConfig(64, 64, 4).blocks_per_sm(128) == 2           # 64 + 32 + 96
+    assert TCConfig(128, 64, 4).blocks_per_sm(128) == 1          # 128 + 64 + 96
+    assert TCConfig(128, 64, 8, min_blocks=2).blocks_per_sm(128) == 2
+    assert "fa2_tc_forward<__half, 64, 64, 64, 4, 3, 10, false>" == TCConfig().forward_name("float16", 64, False)
