@@ -20,14 +20,12 @@ template <> struct Elem<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<unsigned*>(&h);
     }
-    static __device__ __forceinline__ __half from(float x) { return __float2half_rn(x); }
 };
 template <> struct Elem<__nv_bfloat16> {
     static __device__ __forceinline__ unsigned pack(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<unsigned*>(&h);
     }
-    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16_rn(x); }
 };
 
 // ---- device helpers

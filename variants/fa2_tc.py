@@ -134,9 +134,6 @@ class FA2TensorCore:
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 
-    def backward(self, p, dout, q, k, v, out, lse, config):
-        raise ValueError("variant 'fa2-tc' has no backward yet")     # unreachable: caps.backward=False
-
 
 PARAMS = (
     Param("block_r", (64, 128), 64, "Br: query rows per thread block"),
