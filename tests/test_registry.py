@@ -125,3 +125,17 @@ def test_fa2_tc_occupancy_auto_follows_the_accumulators():
     assert TCConfig(128, 64, 4).blocks_per_sm(128) == 1          # 128 + 64 + 96
     assert TCConfig(128, 64, 8, min_blocks=2).blocks_per_sm(128) == 2
     assert "fa2_tc_forward<__half, 64, 64, 64, 4, 3, 10, false>" == TCConfig().forward_name("float16", 64, False)
+
+
+def test_fa2_tc_rejects_rows_cp_async_cannot_copy():
+    """16-byte cp.async chunks: a row stride off a multiple of 8 elements, or a base address off
+    16 bytes, is a ValueError naming the fix (checked on NumPy views; the launch checks CuPy ones)."""
+    from variants.fa2_tc import check_alignment
+    check_alignment(np.zeros((1, 2, 4, 64), np.float16), "q")
+    padded = np.zeros((1, 2, 4, 68), np.float16)[..., :64]                 # row stride 68 elements
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        check_alignment(padded, "q")
+    buf = np.zeros(2 * 4 * 64 + 8, np.float16)
+    shifted = buf[1:1 + 2 * 4 * 64].reshape(1, 2, 4, 64)                   # base 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned rows"):
+        check_alignment(shifted, "k")

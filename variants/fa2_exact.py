@@ -21,13 +21,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from sandbox import arrays
+from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4
 from sandbox.loader import CompileUnit, launch
 from sandbox.masks import classify_tiles
 from sandbox.registry import Capabilities, Param, Variant, register
 
 D_PADS = (32, 64, 96, 128)
-SMEM_LIMIT = 227 * 1024          # H100/H200 per-block opt-in maximum
+SMEM_LIMIT = ARCH_SMEM["sm_90"]   # H100/H200 per-block opt-in maximum
 ACC_REGS = 64                    # per-thread accumulator budget (rows x head-dim columns / 32)
 
 

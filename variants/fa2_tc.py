@@ -17,13 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sandbox import arrays
+from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4
 from sandbox.loader import CompileUnit, launch
 from sandbox.masks import classify_tiles
 from sandbox.registry import Capabilities, Param, Variant, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
-SMEM_LIMIT = 227 * 1024         # H100/H200 per-block opt-in maximum
+SMEM_LIMIT = ARCH_SMEM["sm_90"]  # H100/H200 per-block opt-in maximum
 CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = 2
 
@@ -80,12 +81,14 @@ class TCConfig:
 
 # ---- launch
 
-def _check_alignment(x, name):
-    """cp.async moves 16-byte chunks: row strides a multiple of 8 elements, base 16-byte aligned."""
+def check_alignment(x, name):
+    """cp.async moves 16-byte chunks: row strides a multiple of 8 elements, base 16-byte aligned.
+    Takes CuPy arrays (what the launch sees) and NumPy ones (tests without a GPU)."""
     st = arrays.element_strides(x)
-    if any(s % 8 for s in st[:3]) or x.data.ptr % 16:
+    ptr = x.data.ptr if hasattr(x.data, "ptr") else x.__array_interface__["data"][0]
+    if any(s % 8 for s in st[:3]) or ptr % 16:
         raise ValueError(f"variant 'fa2-tc': {name} needs 16-byte aligned rows (strides {st} elements, "
-                         f"address {x.data.ptr:#x}); pass a contiguous copy")
+                         f"address {ptr:#x}); pass a contiguous copy")
 
 
 class FA2TensorCore:
@@ -120,7 +123,7 @@ class FA2TensorCore:
     def forward(self, p, q, k, v, config):
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
-            _check_alignment(x, nm)
+            check_alignment(x, nm)
         D = d_pad(p.d)
         unit = config.unit(p.dtype, D)
         name = config.forward_name(p.dtype, D, p.dropout_p > 0)
