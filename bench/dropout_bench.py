@@ -1,4 +1,4 @@
-"""Dropout axis: replay the mask from (seed, offset) in the backward (the papers' choice) vs store it
+"""Family `dropout` (the dropout axis): replay the mask from (seed, offset) in the backward (the papers' choice) vs store it
 bit-packed in the forward and read it in the backward.
 
 FA2 exact tier (fp32, split-Q 64 x 64), dropout_p = 0.1, FA2 grid shapes (B*N = 16k tokens,
@@ -6,18 +6,18 @@ hidden 2048, d = 64). Before timing, each mode's gradients are checked against t
 keep pattern, same values to 1e-5). Timing: sandbox.timing.time_fn (CUDA events, L2 flushed,
 median). Extra memory: the stored mask, B*H*Nq*ceil(Nk/32)*4 bytes.
 
-    python bench/dropout_bench.py --out out/ [--seqlens 1024,2048,4096,8192]
+    python -m bench dropout [--seqlens 1024,2048,4096,8192]
 """
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
 import sandbox
 from sandbox.timing import time_fn
+
+from .common import stamp, write
 
 P = 0.1
 
@@ -62,20 +62,11 @@ def markdown(rows, variant):
     return "\n".join(out)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap):
     ap.add_argument("--seqlens", default="1024,2048,4096,8192")
     ap.add_argument("--variant", default="fa2")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="out")
-    a = ap.parse_args(argv)
-    rows = run([int(n) for n in a.seqlens.split(",")], 64, a.reps, a.variant)
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-    (out / "dropout.json").write_text(json.dumps(rows, indent=1))
-    md = markdown(rows, a.variant)
-    (out / "dropout.md").write_text(md + "\n")
-    print(md)
 
 
-if __name__ == "__main__":
-    main()
+def main(args, out: Path):
+    rows = run([int(n) for n in args.seqlens.split(",")], 64, args.reps, args.variant)
+    write(out, "dropout", "dropout", stamp(p=P, variant=args.variant), rows, markdown(rows, args.variant))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: compile report, the GPU test suite (Hypothesis over every variant),
 # compute-sanitizer on a small case per CUDA variant, the benchmark, and a summary printed last.
-# Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> [PARTS=tests|bench] bash bench/gpu_session.sh
+# Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> [PARTS=tests|bench|tc|families] bash bench/gpu_session.sh
 # (one device call holds 10 minutes: run PARTS=tests and PARTS=bench as two calls when both do not fit).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,15 +65,15 @@ $PY -m sandbox run --causal --json /tmp/run_causal.json ${RUN_ARGS:-} 2>&1 | tee
 $PY -c "import json; json.dump([json.load(open(f)) for f in ('/tmp/run.json', '/tmp/run_causal.json')], open('$OUT/bench.json', 'w'), indent=1)"
 
 step "exact-tier grid (fp32, d = 64, FA2 paper protocol)"
-$PY bench/grid.py --dtype float32 --headdim 64 --out /tmp/grid --reps ${GRID_REPS:-10} 2>&1 | tail -14
+$PY -m bench grid --dtype float32 --headdim 64 --out /tmp/grid --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -14
 cp /tmp/grid/grid_float32_d64.md "$OUT/tables.md"
 
 step "softmax: naive / safe / online (CUDA C and Numba), fp32, 4000 vectors"
-$PY bench/softmax_bench.py --out /tmp/softmax --reps ${GRID_REPS:-10} 2>&1 | tail -8
+$PY -m bench softmax --out /tmp/softmax --reps ${GRID_REPS:-10} 2>&1 | tail -8
 { echo; cat /tmp/softmax/softmax.md; } >> "$OUT/tables.md"
 
 step "dropout axis: replay vs packed mask (fa2, fp32)"
-$PY bench/dropout_bench.py --out /tmp/dropout 2>&1 | tail -8
+$PY -m bench dropout --out /tmp/dropout --reps 5 2>&1 | tail -8
 { echo; cat /tmp/dropout/dropout.md; } >> "$OUT/tables.md"
 $PY - "$OUT/bench.json" <<'EOF'
 import json, os, sys
@@ -94,7 +94,7 @@ from sandbox import baselines; from sandbox.timing import time_fn, tflops
 fn, flops = baselines.gemm_fp16(8192); t = time_fn(fn, reps=20)
 print(f'fp16 GEMM (cuBLAS via CuPy, 8192^3): {tflops(flops, t.median_ms):.1f} TFLOP/s')" 2>&1 | tee "$OUT/tc_tables.md"
 for d in 64 128; do
-  $PY bench/grid.py --dtype float16 --headdim $d --seqlens ${TC_SEQLENS:-512,1024,2048,4096,8192,16384} \
+  $PY -m bench grid --dtype float16 --headdim $d --seqlens ${TC_SEQLENS:-512,1024,2048,4096,8192,16384} \
     --variants "${TC_VARIANTS:-fa2-tc,fa2-tc:block_r=64+warps=4,fa2-tc:block_c=128,standard}" \
     --baselines flash,cudnn,math --out /tmp/tc --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -30
   { echo; cat /tmp/tc/grid_float16_d$d.md; } >> "$OUT/tc_tables.md"
@@ -102,6 +102,17 @@ done
 $PY -c "
 import json; json.dump([{f'grid_float16_d{d}': json.load(open(f'/tmp/tc/grid_float16_d{d}.json'))} for d in (64, 128)],
                        open('$OUT/tc.json', 'w'), indent=1)"
+fi
+
+if [[ $PARTS == *families* ]]; then
+# the table families of `python -m bench` (issue 5); results travel back as one archive (a call
+# returns at most 8 files), unpacked under bench/results/<gpu>/ on the development machine
+step "bench families: ${FAMILIES:-io,memory,blocksparse,variants}"
+mkdir -p /tmp/families
+$PY -m bench all --families "${FAMILIES:-io,memory,blocksparse,variants}" --out /tmp/families --reps ${GRID_REPS:-10} \
+  2>&1 | grep -v '^\[' | tee "$OUT/families.log" | tail -60
+[ -f /tmp/io_ncu_raw.txt ] && cp /tmp/io_ncu_raw.txt /tmp/families/
+tar -czf "$OUT/families.tgz" -C /tmp/families .
 fi
 
 step "summary"

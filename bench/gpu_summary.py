@@ -62,6 +62,8 @@ def grid_ratios(rows, gemm=None):
     """Ratios read off the grid: each variant against SDPA's backends (same N, same causal), the
     causal speed-up in time, split-Q over split-K. Ratios of fp32 kernels to fp16 baselines say how
     far the exact tier is from the tensor-core one, not a like-for-like contest."""
+    rows = rows["rows"] if isinstance(rows, dict) else rows        # a family JSON (bench/common.py) or bare rows
+    rows = [r for r in rows if r.get("direction", "forward") == "forward"]
     by = {(r["variant"], r["N"], r["causal"]): r for r in rows if r.get("ms")}
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if "sdpa" not in v]
     out = ["| variant | causal | N | TFLOP/s | / sdpa-flash | / sdpa-cudnn | / sdpa-math | causal speed-up (time) |"

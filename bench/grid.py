@@ -1,22 +1,20 @@
-"""The FA2 paper's benchmark grid (Sec. 4.1) for the sandbox's variants, forward pass.
+"""Family `grid`: the FA2 paper's benchmark grid (Sec. 4.1, Figures 4-7), forward, backward and both.
 
 Protocol: B * N = 16k tokens, hidden 2048 (H = 2048 / d), N from 512 to 16k, causal and not.
-Method: each variant is first checked against the float64 oracle on the last 1024 query rows of the
-first and last (batch, head) of the very problem it is timed on (bottom-right causal alignment
-makes a row slice exact); a variant that fails is not timed. Then sandbox.timing.time_fn: CUDA
-events, warm-up, L2 flushed between repetitions, median. FLOPs = 4 B H N^2 d (halved if causal).
+Check before timing: a forward is checked against the float64 oracle on the last 1024 query rows of
+the first and last (batch, head) of the very problem it is timed on (bottom-right causal alignment
+makes a row slice exact); a backward (whose dK, dV need every row) is checked on a (1, 2, 256, d)
+problem with the same options through sandbox.fuzz.check_case. A variant that fails is not timed.
+Timing: sandbox.timing.time_fn (CUDA events, warm-up, L2 flushed between repetitions, median).
+FLOPs (DESIGN.md): forward 4 B H N^2 d, halved if causal; backward 2.5x forward; both 3.5x.
 Baselines in the same run: PyTorch SDPA (flash = FlashAttention-2, cuDNN, math = standard
 attention) in fp16 (their kernels have no fp32 path except math).
 
-    python bench/grid.py --dtype float32 --headdim 64 --seqlens 1024,2048,4096,8192 \
-        --variants standard,fa1,fa1:split=q,fa2,fa2:split=k+block_r=16+block_c=128 --out out/
+    python -m bench run grid --dtype float32 --headdim 64 --directions forward,backward \
+        --variants standard,fa2,fa2:split=k+block_r=16+block_c=128
 """
 from __future__ import annotations
 
-import argparse
-import csv
-import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,24 +22,16 @@ import numpy as np
 import sandbox
 from sandbox import baselines, oracle, tolerance
 from sandbox.problem import make_problem
+from sandbox.fuzz import Case, check_case
 from sandbox.timing import tflops, time_fn
+
+from .common import Progress, parse_variant, stamp, write
 
 CHECK_ROWS = 1024
 # the exact-tier ladder: standard, FA1 split-K (its own partitioning) and split-Q, FA2 split-Q (its
 # own) and split-K, the Numba versions
 DEFAULT_VARIANTS = ("standard", "fa1", "fa1:split=q", "fa2", "fa2:split=k+block_r=16+block_c=128",
                     "numba-fa1", "numba-fa2", "numba-rowwise")
-
-
-def parse_variant(spec: str):
-    """'fa2:split=k+block_r=16' -> (label, bound variant)."""
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split("+")):
-        key, _, value = item.partition("=")
-        params[key] = int(value) if value.isdigit() else value
-    label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
-    return label, sandbox.get_variant(name, **params)
 
 
 def check_slice(bound, q, k, v, res, causal, dtype):
@@ -64,88 +54,109 @@ def check_slice(bound, q, k, v, res, causal, dtype):
     return worst.ok, worst
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "both": 3.5}
+
+
+def check_backward(bound, d, dtype, causal):
+    """(ok, worst verdict) of a (1, 2, 256, d) forward + backward against the oracle."""
+    case = Case(1, 2, 2, 256, 256, d, dtype, {"causal": True} if causal else {}, data_seed=d)
+    verdicts = check_case(bound, case, "backward")
+    worst = max(verdicts, key=lambda v: (not v.ok, v.err / max(v.tol, 1e-30)))
+    return worst.ok, worst
+
+
+def timed_call(bound, q, k, v, causal, direction, dout):
+    """The callable timed for one direction (backward: from a stored forward Result)."""
+    if direction == "forward":
+        return lambda: sandbox.forward(q, k, v, variant=bound, causal=causal)
+    if direction == "backward":
+        res = sandbox.forward(q, k, v, variant=bound, causal=causal)
+        return lambda: sandbox.backward(dout, res)
+    return lambda: sandbox.backward(dout, sandbox.forward(q, k, v, variant=bound, causal=causal))
+
+
+def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=DEFAULT_VARIANTS,
+        directions=("forward",), backends=("flash", "cudnn", "math"), reps=10, tokens=16384, hidden=2048):
+    import cupy as cp
+    npdt = {"float32": cp.float32, "float16": cp.float16}[dtype]
+    H = hidden // d
+    bound_variants = [parse_variant(s) for s in variants]
+    rows, checked = [], {}
+    progress = Progress(len(seqlens) * 2 * len(directions) * (len(bound_variants) + len(backends)), f"grid d={d}")
+    for N in seqlens:
+        B = max(1, tokens // N)
+        gen = cp.random.default_rng(N)
+        q, k, v, dout = (gen.standard_normal((B, H, N, d), dtype=cp.float32).astype(npdt) for _ in range(4))
+        for direction in directions:
+            for causal in (False, True):
+                flops = make_problem(q, k, v, causal=causal).flops() * FLOP_FACTOR[direction]
+                base = {"N": N, "B": B, "H": H, "d": d, "causal": causal, "direction": direction}
+                for label, bound in bound_variants:
+                    progress(f"N={N} {direction} causal={causal} {label}")
+                    row = {**base, "dtype": dtype, "variant": label}
+                    try:
+                        bound.check(make_problem(q, k, v, causal=causal), "forward" if direction == "forward" else "backward")
+                        if direction == "forward":
+                            res = sandbox.forward(q, k, v, variant=bound, causal=causal)
+                            ok, verdict = check_slice(bound, q, k, v, res, causal, dtype)
+                            del res
+                        else:
+                            key = (label, causal)
+                            if key not in checked:
+                                checked[key] = check_backward(bound, d, dtype, causal)
+                            ok, verdict = checked[key]
+                        if not ok:
+                            rows.append({**row, "status": f"FAIL {verdict}"}); continue
+                        t = time_fn(timed_call(bound, q, k, v, causal, direction, dout), reps=reps)
+                    except (ValueError, cp.cuda.memory.OutOfMemoryError) as e:
+                        rows.append({**row, "status": f"skipped: {str(e)[:80]}"}); continue
+                    rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
+                                 "tflops": tflops(flops, t.median_ms)})
+                for be in backends:
+                    progress(f"N={N} {direction} causal={causal} sdpa-{be}")
+                    fn = baselines.sdpa(be, B, H, N, N, d, "float16", causal, direction=direction)
+                    if fn is None:
+                        continue
+                    t = time_fn(fn, reps=reps)
+                    rows.append({**base, "dtype": "float16", "variant": f"sdpa-{be} (fp16)", "status": "baseline",
+                                 "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
+        del q, k, v, dout
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def markdown(rows) -> str:
+    """One table per direction: a row per (variant, causal), a column per N, TFLOP/s."""
+    Ns = sorted({r["N"] for r in rows})
+    out = []
+    for direction in dict.fromkeys(r.get("direction", "forward") for r in rows):
+        sub = [r for r in rows if r.get("direction", "forward") == direction]
+        out += [f"TFLOP/s, {direction}, d = {sub[0]['d']}, B*N = 16k tokens, hidden 2048 (median of CUDA-event timings)", "",
+                "| variant | causal | " + " | ".join(f"N={n}" for n in Ns) + " |", "|---|---|" + "---|" * len(Ns)]
+        for label in dict.fromkeys(r["variant"] for r in sub):
+            for causal in (False, True):
+                cells = []
+                for n in Ns:
+                    r = next((r for r in sub if r["variant"] == label and r["causal"] == causal and r["N"] == n), None)
+                    cells.append("-" if r is None else f"{r['tflops']:.2f}" if "tflops" in r else r["status"][:30])
+                out.append(f"| {label} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def add_arguments(ap):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--headdim", type=int, default=64)
     ap.add_argument("--seqlens", default="1024,2048,4096,8192")
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--directions", default="forward", help="forward,backward,both")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--no-baselines", action="store_true")
-    ap.add_argument("--baselines", default="flash,cudnn,math", help="SDPA backends timed beside the variants")
-    ap.add_argument("--out", default="out")
-    args = ap.parse_args(argv)
-    import cupy as cp
-
-    d, dtype = args.headdim, args.dtype
-    npdt = {"float32": cp.float32, "float16": cp.float16}[dtype]
-    H = args.hidden // d
-    variants = [parse_variant(s) for s in args.variants.split(",")]
-    rows = []
-    backends = [] if args.no_baselines else args.baselines.split(",")
-    total = len(args.seqlens.split(",")) * 2 * (len(variants) + len(backends))
-    step = 0
-    for N in (int(n) for n in args.seqlens.split(",")):
-        B = max(1, args.tokens // N)
-        gen = cp.random.default_rng(N)
-        q, k, v = (gen.standard_normal((B, H, N, d), dtype=cp.float32).astype(npdt) for _ in range(3))
-        for causal in (False, True):
-            flops = make_problem(q, k, v, causal=causal).flops()
-            for label, bound in variants:
-                step += 1
-                print(f"[{step}/{total}] N={N} causal={causal} {label}", file=sys.stderr, flush=True)
-                row = {"N": N, "B": B, "H": H, "d": d, "causal": causal, "dtype": dtype, "variant": label}
-                try:
-                    bound.check(make_problem(q, k, v, causal=causal))
-                    res = sandbox.forward(q, k, v, variant=bound, causal=causal)
-                except (ValueError, cp.cuda.memory.OutOfMemoryError) as e:
-                    rows.append({**row, "status": f"skipped: {str(e)[:80]}"}); continue
-                ok, verdict = check_slice(bound, q, k, v, res, causal, dtype)
-                del res
-                if not ok:
-                    rows.append({**row, "status": f"FAIL {verdict}"}); continue
-                t = time_fn(lambda: sandbox.forward(q, k, v, variant=bound, causal=causal), reps=args.reps)
-                rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
-                             "tflops": tflops(flops, t.median_ms)})
-            for be in backends:
-                step += 1
-                fn = baselines.sdpa(be, B, H, N, N, d, "float16", causal)
-                if fn is None:
-                    continue
-                t = time_fn(fn, reps=args.reps)
-                rows.append({"N": N, "B": B, "H": H, "d": d, "causal": causal, "dtype": "float16",
-                             "variant": f"sdpa-{be} (fp16)", "status": "baseline", "ms": t.median_ms,
-                             "tflops": tflops(flops, t.median_ms)})
-        del q, k, v
-        cp.get_default_memory_pool().free_all_blocks()
-    write(rows, Path(args.out), f"grid_{dtype}_d{d}")
+    ap.add_argument("--baselines", default="flash,cudnn,math", help="SDPA backends timed beside the variants ('' for none)")
 
 
-def write(rows, out: Path, stem: str):
-    out.mkdir(parents=True, exist_ok=True)
-    json.dump(rows, open(out / f"{stem}.json", "w"), indent=1)
-    keys = ["N", "B", "H", "d", "causal", "dtype", "variant", "status", "ms", "tflops"]
-    with open(out / f"{stem}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    # markdown: one row per (variant, causal), one column per N, TFLOP/s
-    Ns = sorted({r["N"] for r in rows})
-    lines = [f"TFLOP/s, forward, d = {rows[0]['d']}, B*N = 16k tokens, hidden 2048 (median of CUDA-event timings)", "",
-             "| variant | causal | " + " | ".join(f"N={n}" for n in Ns) + " |", "|---|---|" + "---|" * len(Ns)]
-    for label in dict.fromkeys(r["variant"] for r in rows):
-        for causal in (False, True):
-            cells = []
-            for n in Ns:
-                r = next((r for r in rows if r["variant"] == label and r["causal"] == causal and r["N"] == n), None)
-                cells.append("-" if r is None else f"{r['tflops']:.2f}" if "tflops" in r else r["status"][:30])
-            lines.append(f"| {label} | {'yes' if causal else 'no'} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines)
-    (out / f"{stem}.md").write_text(text + "\n")
-    print(text)
-
-
-if __name__ == "__main__":
-    main()
+def main(args, out: Path):
+    directions = tuple(args.directions.split(","))
+    rows = run(args.dtype, args.headdim, [int(n) for n in args.seqlens.split(",")], args.variants.split(","),
+               directions, tuple(filter(None, args.baselines.split(","))), args.reps)
+    stem = f"grid_{args.dtype}_d{args.headdim}" + ("" if directions == ("forward",) else "_" + "_".join(directions))
+    write(out, stem, "grid", stamp(dtype=args.dtype, d=args.headdim, directions=list(directions)), rows, markdown(rows),
+          ["N", "B", "H", "d", "causal", "direction", "dtype", "variant", "status", "ms", "tflops"])

@@ -1,4 +1,4 @@
-"""Softmax table (lecture 003, Algorithms 1-3): naive vs safe vs online, fp32, 4,000 vectors.
+"""Family `softmax`: the softmax table (lecture 003, Algorithms 1-3): naive vs safe vs online, fp32, 4,000 vectors.
 
 Each kernel is checked against its float64 NumPy reference on the first rows of the very input it is
 timed on (inputs in [-4, 4]: the naive version stays finite), then timed with
@@ -7,18 +7,18 @@ and one write of the batch (8 bytes per element), for every algorithm, so the co
 the copy bandwidth (a device-to-device copy of the same array, same accounting) is the roof. The
 lecture reports online ~1.3x faster than safe (two passes over x instead of three).
 
-    python bench/softmax_bench.py --out out/ [--rows 4000] [--lengths 1024,...,65536] [--backends cuda,numba]
+    python -m bench softmax [--rows 4000] [--lengths 1024,...,65536] [--backends cuda,numba]
 """
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
 from sandbox import softmax
 from sandbox.timing import time_fn
+
+from .common import stamp, write
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 CHECK_ROWS = 8
@@ -64,21 +64,12 @@ def markdown(results, rows):
     return "\n".join(out)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap):
     ap.add_argument("--rows", type=int, default=4000)
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     ap.add_argument("--backends", default="cuda,numba")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", default="out")
-    a = ap.parse_args(argv)
-    results = run(a.rows, [int(n) for n in a.lengths.split(",")], a.backends.split(","), a.reps)
-    out = Path(a.out); out.mkdir(parents=True, exist_ok=True)
-    md = markdown(results, a.rows)
-    (out / "softmax.md").write_text(md + "\n")
-    (out / "softmax.json").write_text(json.dumps(results, indent=1))
-    print(md)
 
 
-if __name__ == "__main__":
-    main()
+def main(args, out: Path):
+    results = run(args.rows, [int(n) for n in args.lengths.split(",")], args.backends.split(","), args.reps)
+    write(out, "softmax", "softmax", stamp(rows=args.rows), results, markdown(results, args.rows))

@@ -1,0 +1,80 @@
+"""What every table family shares: the stamp (device, commit, date), progress lines, variant specs,
+and the writer of markdown + CSV + JSON (the PNG comes from bench/plots.py, which reads the JSON).
+
+JSON layout of a family: {"family": ..., "meta": {device, commit, date, ...}, "rows": [...]}.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import sandbox
+
+
+def stamp(**extra) -> dict:
+    """Device, commit and date of this run (COMMIT in the environment wins over git: the GPU machine
+    gets a copy of the tree without .git)."""
+    from sandbox.device import cupy_or_none
+    cp = cupy_or_none()
+    device = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode() if cp else "no GPU"
+    commit = os.environ.get("COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"device": device, "commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **extra}
+
+
+def stamp_line(meta: dict) -> str:
+    return f"_{meta['device']} · commit {meta['commit']} · {meta['date']}_"
+
+
+class Progress:
+    """`[i/n] label (elapsed)` lines on stderr, for runs that take minutes."""
+
+    def __init__(self, total: int, name: str):
+        self.total, self.name, self.i, self.t0 = total, name, 0, time.perf_counter()
+
+    def __call__(self, label: str):
+        self.i += 1
+        print(f"[{self.name} {self.i}/{self.total} {time.perf_counter() - self.t0:6.1f}s] {label}",
+              file=sys.stderr, flush=True)
+
+
+def parse_variant(spec: str):
+    """'fa2:split=k+block_r=16' -> (label, bound variant)."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        params[key] = int(value) if value.isdigit() else value
+    label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
+    return label, sandbox.get_variant(name, **params)
+
+
+def write(out: Path, stem: str, family: str, meta: dict, rows: list, markdown: str, keys=None) -> None:
+    """stem.json (meta + rows), stem.csv (rows, `keys` columns or all), stem.md (stamp + markdown)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"family": family, "meta": meta, "rows": rows}, indent=1))
+    keys = keys or list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / f"{stem}.md").write_text(f"{markdown}\n\n{stamp_line(meta)}\n")
+    print(markdown, flush=True)
+
+
+def load(path) -> dict:
+    """A family's JSON; the older list-of-rows files (before the stamp) are wrapped."""
+    data = json.loads(Path(path).read_text())
+    return data if isinstance(data, dict) else {"family": Path(path).stem, "meta": {}, "rows": data}

@@ -1,0 +1,163 @@
+"""The benchmark harness on CPU: the IO model, the Nsight Compute parser, layouts, best marking,
+markdown, stamps and the PNG of every family (drawn from synthetic rows shaped like a real run)."""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from bench import FAMILIES, blocksparse, common, grid, io_bytes, memory, plots, variants_table
+
+
+def test_every_family_has_arguments_and_main():
+    import bench
+    for name in FAMILIES:
+        mod = bench.family(name)
+        assert callable(mod.add_arguments) and callable(mod.main), name
+
+
+def test_standard_io_model_counts_each_pass():
+    N, d, e = 1024, 64, 2
+    # forward: QK^T (2Nd read, N^2 write), softmax in place (2 N^2, lse), PV (N^2 + Nd read, Nd write)
+    assert io_bytes.model_bytes("standard", "forward", N, d, e) == e * (4 * N * d + 4 * N * N) + 4 * N
+
+
+def test_fa2_model_is_linear_in_passes_and_below_standard():
+    N, d, e = 4096, 64, 2
+    fa2 = io_bytes.model_bytes("fa2", "forward", N, d, e)
+    assert fa2 == e * 2 * N * d + (N // 64) * e * 2 * N * d + 4 * N
+    assert fa2 < io_bytes.model_bytes("standard", "forward", N, d, e)
+    for v in ("standard", "fa1", "fa2"):
+        assert io_bytes.model_bytes(v, "both", N, d, e) > io_bytes.model_bytes(v, "forward", N, d, e)
+        assert io_bytes.compulsory_bytes("both", N, d, e) <= io_bytes.model_bytes(v, "both", N, d, e)
+    assert io_bytes.model_bytes("sdpa-flash", "forward", N, d, e) is None
+
+
+def test_fa1_model_grows_as_theorem_2():
+    # Theorem 2: Theta(N^2 d^2 / M); at fixed tiles the quadratic term dominates: 4x bytes per 2x N
+    d, e = 64, 4
+    r = io_bytes.model_bytes("fa1", "forward", 16384, d, e) / io_bytes.model_bytes("fa1", "forward", 8192, d, e)
+    assert 3.8 < r < 4.0
+
+
+NCU = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python","h","io_case_marker","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","512"
+"0","1","python","h","io_case_marker","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+"1","1","python","h","standard_gemm<float, float, float>(const float*)","1","7","(256, 1, 1)","(16, 16, 64)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","1,000,000"
+"1","1","python","h","standard_gemm<float, float, float>(const float*)","1","7","(256, 1, 1)","(16, 16, 64)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","250"
+"2","1","python","h","standard_softmax","1","7","(256, 1, 1)","(16, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","10"
+"2","1","python","h","standard_softmax","1","7","(256, 1, 1)","(16, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","20"
+"3","1","python","h","io_case_marker","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_read.sum","byte","512"
+"3","1","python","h","io_case_marker","1","7","(1, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics","dram__bytes_write.sum","byte","0"
+==PROF== Disconnected from process 1
+'''
+
+
+def test_ncu_rows_are_cut_into_cases_at_the_markers():
+    a, b = io_bytes.parse_ncu_csv(NCU, 2)
+    assert a["dram__bytes_read.sum"] == 1_000_010 and a["dram__bytes_write.sum"] == 270 and a["kernels"] == 2
+    assert a["names"] == ["standard_gemm<float, float, float>", "standard_softmax"]
+    assert b == {"dram__bytes_read.sum": 0.0, "dram__bytes_write.sum": 0.0, "kernels": 0, "names": []}
+    with pytest.raises(ValueError, match="2 case markers for 3 cases"):
+        io_bytes.parse_ncu_csv(NCU, 3)
+    header, *body = [l for l in NCU.splitlines() if l.startswith('"')]
+    with pytest.raises(ValueError, match="before the first case marker"):
+        io_bytes.parse_ncu_csv("\n".join([header] + body[2:]), 1)
+
+
+def test_io_cases_cover_the_papers_setting_and_the_sweep():
+    cs = io_bytes.cases((512, 1024))
+    gpt2 = [c for c in cs if c["setting"] == "gpt2-medium"]
+    assert {(c["B"], c["H"], c["N"], c["d"]) for c in gpt2} == {(64, 16, 1024, 64)}
+    assert {"standard", "fa2", "sdpa-flash"} <= {c["variant"] for c in gpt2 if c["direction"] == "both"}
+    assert len([c for c in cs if c["setting"] == "sweep"]) == 2 * len(io_bytes.SWEEP_VARIANTS)
+
+
+@pytest.mark.parametrize("density", [0.05, 0.3, 1.0])
+def test_blocksparse_layout_has_the_asked_density(density):
+    lay = blocksparse.layout(density, 32, seed=1)
+    assert lay.shape == (1, 32, 32) and lay.sum() == round(density * 1024)
+    assert not np.array_equal(lay, blocksparse.layout(density, 32, seed=2)) or density == 1.0
+
+
+def test_variants_best_is_the_fastest_per_group():
+    rows = [{"variant": "fa2", "dtype": "float32", "d": 64, "N": 2048, "B": 8, "H": 32, "split": s, "block_r": br,
+             "block_c": 64, "warps": 4, "tflops": t, "ms": 1.0, "status": "ok"}
+            for s, br, t in (("q", 16, 10.0), ("q", 64, 18.0), ("k", 16, 9.0))]
+    rows.append({**rows[0], "split": "k", "block_r": 128, "status": "rejected: shared memory"})
+    del rows[-1]["tflops"], rows[-1]["ms"]
+    variants_table.mark_best(rows)
+    assert [r["best"] for r in rows] == [False, True, False, False]
+    md = variants_table.markdown(rows)
+    assert "**18.00**" in md and "rejected: shared memory" in md and "2.00x" in md
+
+
+def test_configs_is_the_full_product():
+    assert len(list(variants_table.configs({"a": (1, 2), "b": (3, 4, 5)}))) == 6
+
+
+def test_stamp_without_a_gpu(monkeypatch):
+    monkeypatch.setenv("COMMIT", "abc1234")
+    meta = common.stamp(d=64)
+    assert meta["commit"] == "abc1234" and meta["d"] == 64 and meta["date"].endswith("UTC")
+    assert "abc1234" in common.stamp_line(meta)
+
+
+def synthetic():
+    """Rows shaped like each family's real output."""
+    grid_rows = [{"N": n, "B": 16384 // n, "H": 32, "d": 64, "causal": c, "direction": dr, "dtype": "float32",
+                  "variant": v, "status": "ok", "ms": 1.0, "tflops": t * n / 1024}
+                 for n in (1024, 2048) for c in (False, True) for dr in ("forward", "backward")
+                 for v, t in (("fa2", 15.0), ("sdpa-flash (fp16)", 300.0))]
+    var_rows = [{"variant": "fa2-tc", "dtype": "float16", "d": 64, "N": 4096, "B": 4, "H": 32, "block_r": br,
+                 "block_c": 64, "warps": 4, "min_blocks": "auto", "tflops": t, "ms": 1.0, "status": "ok"}
+                for br, t in ((64, 200.0), (128, 230.0))]
+    variants_table.mark_best(var_rows)
+    soft = [{"n": n, "kernel": k, "ms": 1.0, "gbps": g} for n in (1024, 2048) for k, g in
+            (("copy", 3000.0), ("safe (cuda)", 1500.0), ("online (cuda)", 2000.0))]
+    io_rows = [{"setting": s, "variant": v, "dtype": "float16", "direction": "forward", "B": 4, "H": 16, "N": n, "d": 64,
+                "read_bytes": 1e9, "write_bytes": 1e8, "total_bytes": 1.1e9, "model_bytes": m, "compulsory_bytes": 1e8,
+                "kernels": 3, "kernel_names": "a b c"}
+               for s, n in (("gpt2-medium", 1024), ("sweep", 512), ("sweep", 1024)) for v, m in (("standard", 2e9), ("sdpa-flash", None))]
+    mem = [{"variant": "fa2", "dtype": "float32", "direction": "forward", "N": n, "B": 1, "H": 16, "d": 128, **r}
+           for n, r in ((1024, {"status": "ok", "peak_bytes": 1e7}), (2048, {"status": "ok", "peak_bytes": 2e7}),
+                        (4096, {"status": "out of memory"}))]
+    bs = [{"variant": "fa2-tc", "dtype": "float16", "case": c, "density": dn, "status": "ok", "ms": 2 * dn,
+           "ideal_ms": 2 * dn, "time_over_ideal": 1.0} for c, dn in (("random 1", 1.0), ("random 0.1", 0.1), ("causal=True", 0.5))]
+    drop = [{"N": n, "store": s, "fwd_ms": 1.0, "bwd_ms": b} for n in (1024, 2048) for s, b in (("replay", 2.0), ("packed", 2.5))]
+    return {"grid_float32_d64_forward_backward": ("grid", grid_rows), "variants": ("variants", var_rows),
+            "softmax": ("softmax", soft), "io": ("io", io_rows), "memory": ("memory", mem),
+            "blocksparse": ("blocksparse", bs), "dropout": ("dropout", drop)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib (the bench extra) not installed")
+def test_every_family_draws_a_png(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMIT", "test")
+    for stem, (fam, rows) in synthetic().items():
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"family": fam, "meta": common.stamp(), "rows": rows}))
+    written = plots.plot_dir(tmp_path)
+    assert sorted(p.stem for p in written) == sorted(synthetic())
+    for p in written:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_markdown_of_the_families():
+    s = synthetic()
+    md = grid.markdown(s["grid_float32_d64_forward_backward"][1])
+    assert "TFLOP/s, forward" in md and "TFLOP/s, backward" in md and "| fa2 | yes |" in md
+    md = memory.markdown(s["memory"][1], ["fa2 float32 forward: ok"])
+    assert "**OOM**" in md and "N=1k" in md
+    md = blocksparse.markdown(s["blocksparse"][1])
+    assert "causal=True" in md and "| 1.00 |" in md
+    md = io_bytes.markdown(s["io"][1], ["standard float16: ok"])
+    assert "GPT-2 medium" in md and "measured GB / model GB" in md
+
+
+def test_write_stamps_every_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMIT", "c0ffee1")
+    common.write(tmp_path, "t", "grid", common.stamp(), [{"a": 1, "b": 2}], "| a |")
+    assert json.loads((tmp_path / "t.json").read_text())["meta"]["commit"] == "c0ffee1"
+    assert "c0ffee1" in (tmp_path / "t.md").read_text()
+    assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,2"]
+    assert common.load(tmp_path / "t.json")["rows"] == [{"a": 1, "b": 2}]
