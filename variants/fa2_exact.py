@@ -22,9 +22,8 @@ import numpy as np
 
 from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
-from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4
+from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, launch
-from sandbox.masks import classify_tiles
 from sandbox.registry import Capabilities, Param, Variant, register
 
 D_PADS = (32, 64, 96, 128)
@@ -206,8 +205,7 @@ class FA2Exact:
         return [config.for_head_dim(D).unit(D) for D in (64, 128) if not config.for_head_dim(D).envelope_errors(D)]
 
     def _tiles(self, p, br, bc, xp):
-        t = classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)
-        return xp.asarray(t), i32(t.shape[0])
+        return tile_table(p, br, bc, xp)
 
     def forward(self, p, q, k, v, config):
         import cupy as xp

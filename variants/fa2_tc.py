@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
-from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4
+from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, launch
-from sandbox.masks import classify_tiles
 from sandbox.registry import Capabilities, Param, Variant, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
@@ -129,10 +128,10 @@ class FA2TensorCore:
         name = config.forward_name(p.dtype, D, p.dropout_p > 0)
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
-        t = classify_tiles(p.Nq, p.Nk, config.block_r, config.block_c, p.band, p.block_mask)
+        tiles, tile_heads = tile_table(p, config.block_r, config.block_c, xp)
         launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
                (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse,
-                xp.asarray(t), i32(t.shape[0]), i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+                tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
                 f32(p.scale * LOG2E), *mask_args(p, xp), *dropout_args(p)),
                shared_mem=unit.dynamic_smem[name])
         return out, lse

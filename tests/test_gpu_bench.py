@@ -1,0 +1,55 @@
+"""On the GPU: what the benchmark tables rest on. The device tile-table cache (a mask's tiles are
+classified once, and a changed layout is classified again), the timer hiding host work behind its
+spin kernel, and the peak-memory hook of the memory family."""
+import time
+
+import numpy as np
+import pytest
+
+import sandbox
+from sandbox.launch import tile_table
+from sandbox.masks import BlockSparse, classify_tiles
+from sandbox.problem import make_problem
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tile_table_is_cached_by_content():
+    q = np.zeros((1, 2, 256, 16), np.float32)
+    layout = np.random.default_rng(0).random((1, 4, 4)) < 0.5
+    bm = BlockSparse(layout.copy(), (64, 64))
+    p = make_problem(q, q, q, block_mask=bm)
+    a, ha = tile_table(p, 64, 32, __import__("cupy"))
+    b, _ = tile_table(make_problem(q, q, q, block_mask=BlockSparse(layout.copy(), (64, 64))), 64, 32, __import__("cupy"))
+    assert a is b and int(ha) == 1
+    np.testing.assert_array_equal(a.get(), classify_tiles(256, 256, 64, 32, p.band, bm))
+    bm.layout[0, 0, 0] = not bm.layout[0, 0, 0]                # same object, new content: a new table
+    c, _ = tile_table(make_problem(q, q, q, block_mask=bm), 64, 32, __import__("cupy"))
+    assert c is not a
+    np.testing.assert_array_equal(c.get(), classify_tiles(256, 256, 64, 32, p.band, bm))
+
+
+def test_time_fn_keeps_host_work_out_of_the_events():
+    import cupy as cp
+    from sandbox.timing import time_fn
+    x = cp.zeros(1 << 20, cp.float32)
+
+    def slow_host():
+        time.sleep(0.003)               # 3 ms of Python before a ~10 us kernel
+        x.fill(1.0)
+
+    t = time_fn(slow_host, reps=5)
+    assert t.median_ms < 0.5, t
+
+
+def test_memory_hook_counts_a_calls_peak():
+    import cupy as cp
+    from bench.memory import PeakHook
+    hook = PeakHook()
+    with hook:
+        a = cp.empty(1 << 20, cp.uint8)
+        b = cp.empty(1 << 21, cp.uint8)
+        del a, b
+        c = cp.empty(1 << 20, cp.uint8)
+        del c
+    assert hook.peak == 3 << 20 and hook.current == 0
