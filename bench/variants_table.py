@@ -64,7 +64,7 @@ def run(shapes=("exact", "tc"), reps=10, tokens=16384, hidden=2048):
             bound.check(make_problem(q, k, v))
             res = sandbox.forward(q, k, v, variant=bound)
         except (ValueError, RuntimeError) as e:       # RuntimeError: a launch the driver refuses
-            rows.append({**row, "status": f"rejected: {str(e)[:90]}"}); continue
+            rows.append({**row, "status": f"rejected: {reason(e)}"}); continue
         ok, verdict = check_slice(bound, q, k, v, res, False, dtype)
         del res
         if not ok:
@@ -73,6 +73,11 @@ def run(shapes=("exact", "tc"), reps=10, tokens=16384, hidden=2048):
         rows.append({**row, "status": "ok", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
     mark_best(rows)
     return rows
+
+
+def reason(e: Exception) -> str:
+    """The envelope errors of a rejection, without the variant and config that the table shows."""
+    return str(e).split("): ", 1)[-1] if "Config(" in str(e) else str(e)
 
 
 def mark_best(rows):
@@ -95,7 +100,7 @@ def markdown(rows) -> str:
         out += [f"{g[0]}, {g[1]}, d = {g[2]}, N = {g[3]}, B = {sub[0]['B']}, H = {sub[0]['H']}, forward: TFLOP/s "
                 "(best marked **)", "", "| " + " | ".join(axes) + " | TFLOP/s | ms |", "|" + "---|" * (len(axes) + 2)]
         for r in sorted(sub, key=lambda r: -r.get("tflops", -1)):
-            perf = (f"**{r['tflops']:.2f}**" if r["best"] else f"{r['tflops']:.2f}") if "tflops" in r else r["status"][:60]
+            perf = (f"**{r['tflops']:.2f}**" if r["best"] else f"{r['tflops']:.2f}") if "tflops" in r else r["status"][:80]
             ms = f"{r['ms']:.3f}" if "ms" in r else "-"
             out.append("| " + " | ".join(str(r[a]) for a in axes) + f" | {perf} | {ms} |")
         if "split" in axes:
