@@ -20,12 +20,7 @@
 // columns a lane holds (element (b, h, i, j) uses word j % 4 of philox(j / 4, i, b*Hq + h, offset)).
 // Envelope (static_asserts below, ValueError in variants/fa2_tc.py): D in {64, 128} (d <= D and a
 // multiple of 8, zero-filled to D), BR / WARPS a multiple of 16, BC a multiple of 16.
-#include "common.cuh"
-#include "philox.cuh"
-#include "tiles.cuh"
-#include "mma.cuh"
-
-#define LN2 0.6931471805599453f       // lse = (m2 + log2 l) * ln 2 (m2: the row max in log2 units)
+#include "tc_softmax.cuh"
 
 // ---- device helpers
 
@@ -147,67 +142,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
 
-        // scale into log2 units; mask partial tiles and the tile that crosses Nk
-        const bool masked = cls != TILE_FULL || col0 + BC > Nk;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = s[mt][n][e] * scale_log2;
-                    if (masked) {
-                        const int i = row0 + wrow + mt * 16 + g + (e >= 2 ? 8 : 0);
-                        const int j = col0 + n * 8 + 2 * tq + (e & 1);
-                        if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) x = NEG_INF;
-                    }
-                    s[mt][n][e] = x;
-                }
-
-        // online softmax (rows g and g + 8 of each m16 slice; a row lives in one quad of lanes)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                float mx = NEG_INF;
-#pragma unroll
-                for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(m[mt][hr], mx);
-                const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
-                const float corr = exp2_ftz(m[mt][hr] - m_use);
-                float sum = 0.0f;
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                        const float p = exp2_ftz(s[mt][n][e] - m_use);
-                        s[mt][n][e] = p;
-                        sum += p;
-                    }
-                l[mt][hr] = l[mt][hr] * corr + sum;
-                m[mt][hr] = m_new;
-#pragma unroll
-                for (int n = 0; n < ND; ++n) {
-                    o[mt][n][2 * hr] *= corr;
-                    o[mt][n][2 * hr + 1] *= corr;
-                }
-            }
-
-        if (DROPOUT) {                                // P_drop = P Z / (1 - p); l keeps the undropped sum
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < NT; ++n)
-#pragma unroll
-                    for (int hr = 0; hr < 2; ++hr) {
-                        const int i = row0 + wrow + mt * 16 + g + 8 * hr, j = col0 + n * 8 + 2 * tq;
-                        const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
-                        s[mt][n][2 * hr] *= dropout_factor(drop, word_of(w, j & 3));
-                        s[mt][n][2 * hr + 1] *= dropout_factor(drop, word_of(w, (j & 3) + 1));
-                    }
-        }
+        // scores in log2 units, masked; online softmax; dropout (tc_softmax.cuh)
+        scores_to_log2(s, scale_log2, cls != TILE_FULL || col0 + BC > Nk, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+        online_softmax(s, m, l, o);
+        if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
 
         cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)
         __syncthreads();
@@ -215,13 +153,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #pragma unroll
         for (int kk = 0; kk < BC / 16; ++kk) {
             unsigned pa[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                pa[mt][0] = Elem<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                pa[mt][1] = Elem<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                pa[mt][2] = Elem<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                pa[mt][3] = Elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-            }
+            p_fragments<T>(pa, s, kk);
 #pragma unroll
             for (int dp = 0; dp < ND / 2; ++dp) {
                 unsigned bv[4];
@@ -237,24 +169,5 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     }
     cp_async_wait<0>();                               // nothing may land after the block exits
 
-    // epilogue: O / l in the input dtype, lse = (m2 + log2 l) ln 2; rows that saw nothing: 0, -inf
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int hr = 0; hr < 2; ++hr) {
-            float sum = l[mt][hr];
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            const int i = row0 + wrow + mt * 16 + g + 8 * hr;
-            if (i >= Nq) continue;
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            T* orow = O + ((long long)bh * Nq + i) * d;
-#pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                const int c = n * 8 + 2 * tq;
-                if (c < d)
-                    *reinterpret_cast<unsigned*>(orow + c) = Elem<T>::pack(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
-            }
-            if (tq == 0) LSE[(long long)bh * Nq + i] = sum > 0.0f ? (m[mt][hr] + log2f(sum)) * LN2 : NEG_INF;
-        }
+    write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
 }

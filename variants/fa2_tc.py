@@ -80,13 +80,13 @@ class TCConfig:
 
 # ---- launch
 
-def check_alignment(x, name):
+def check_alignment(x, name, variant="fa2-tc"):
     """cp.async moves 16-byte chunks: row strides a multiple of 8 elements, base 16-byte aligned.
     Takes CuPy arrays (what the launch sees) and NumPy ones (tests without a GPU)."""
     st = arrays.element_strides(x)
     ptr = x.data.ptr if hasattr(x.data, "ptr") else x.__array_interface__["data"][0]
     if any(s % 8 for s in st[:3]) or ptr % 16:
-        raise ValueError(f"variant 'fa2-tc': {name} needs 16-byte aligned rows (strides {st} elements, "
+        raise ValueError(f"variant {variant!r}: {name} needs 16-byte aligned rows (strides {st} elements, "
                          f"address {ptr:#x}); pass a contiguous copy")
 
 
@@ -122,7 +122,7 @@ class FA2TensorCore:
     def forward(self, p, q, k, v, config):
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
-            check_alignment(x, nm)
+            check_alignment(x, nm, self.name)
         D = d_pad(p.d)
         unit = config.unit(p.dtype, D)
         name = config.forward_name(p.dtype, D, p.dropout_p > 0)

@@ -1,0 +1,132 @@
+// tc_softmax.cuh: what every FA2 forward rung of the tensor-core tier does between and after its
+// two GEMMs, on the registers of mma.m16n8k16 C fragments (see mma.cuh for the layout): scores into
+// log2 units with the mask applied, the online softmax update (FA2 paper Algorithm 1, lines 9-10,
+// rescaling of O deferred to the end, Sec. 3.1), dropout with the contract's Philox counters, and
+// the epilogue that writes O / l and the logsumexp once.
+//
+// A warp holds rows [row_base, row_base + 16 MT) of the block: element e of n8 tile n of m16 slice
+// mt is row row_base + 16 mt + g + 8 (e >= 2), column col0 + 8 n + 2 t + (e & 1) (g = lane / 4,
+// t = lane % 4). A row lives in one quad of lanes.
+#pragma once
+#include "common.cuh"
+#include "philox.cuh"
+#include "tiles.cuh"
+#include "mma.cuh"
+
+#define LN2 0.6931471805599453f       // lse = (m2 + log2 l) * ln 2 (m2: the row max in log2 units)
+
+// ---- device helpers
+
+// s <- s * scale_log2; -inf where the element is hidden (checked only when `masked`: partial tiles
+// and the tile that crosses Nk).
+template <int MT, int NT>
+__device__ __forceinline__ void scores_to_log2(float (&s)[MT][NT][4], float scale_log2, bool masked, int cls,
+                                               const Mask& mask, int h, int row_base, int col0, int Nq, int Nk,
+                                               int g, int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[mt][n][e] * scale_log2;
+                if (masked) {
+                    const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
+                    const int j = col0 + n * 8 + 2 * tq + (e & 1);
+                    if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) x = NEG_INF;
+                }
+                s[mt][n][e] = x;
+            }
+}
+
+// Online softmax: new row max m, P = 2^(s - m) in place, l and O rescaled by 2^(m_old - m).
+// l holds this lane's partial row sums (quad-reduced in the epilogue).
+template <int MT, int NT, int ND>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&o)[MT][ND][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float mx = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m[mt][hr], mx);
+            const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
+            const float corr = exp2_ftz(m[mt][hr] - m_use);
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+                    const float p = exp2_ftz(s[mt][n][e] - m_use);
+                    s[mt][n][e] = p;
+                    sum += p;
+                }
+            l[mt][hr] = l[mt][hr] * corr + sum;
+            m[mt][hr] = m_new;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                o[mt][n][2 * hr] *= corr;
+                o[mt][n][2 * hr + 1] *= corr;
+            }
+        }
+}
+
+// P_drop = P Z / (1 - p) (l keeps the undropped sum): element (b, h, i, j) uses word j % 4 of
+// philox(j / 4, i, b*Hq + h, offset); a lane's column pair shares one call.
+template <int R, int MT, int NT>
+__device__ __forceinline__ void apply_dropout(float (&s)[MT][NT][4], const Dropout& drop, int bh, int row_base,
+                                              int col0, int g, int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int i = row_base + mt * 16 + g + 8 * hr, j = col0 + n * 8 + 2 * tq;
+                const uint4 w = dropout_words<R>(drop, bh, i, j >> 2);
+                s[mt][n][2 * hr] *= dropout_factor(drop, word_of(w, j & 3));
+                s[mt][n][2 * hr + 1] *= dropout_factor(drop, word_of(w, (j & 3) + 1));
+            }
+}
+
+// O / l in the input dtype, lse = (m2 + log2 l) ln 2; rows that saw nothing: 0 and -inf.
+template <typename T, int MT, int ND>
+__device__ __forceinline__ void write_output(const float (&o)[MT][ND][4], const float (&m)[MT][2],
+                                             const float (&l)[MT][2], T* __restrict__ O, float* __restrict__ LSE,
+                                             int bh, int row_base, int Nq, int d, int g, int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float sum = l[mt][hr];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int i = row_base + mt * 16 + g + 8 * hr;
+            if (i >= Nq) continue;
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            T* orow = O + ((long long)bh * Nq + i) * d;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const int c = n * 8 + 2 * tq;
+                if (c < d)
+                    *reinterpret_cast<unsigned*>(orow + c) = Elem<T>::pack(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
+            }
+            if (tq == 0) LSE[(long long)bh * Nq + i] = sum > 0.0f ? (m[mt][hr] + log2f(sum)) * LN2 : NEG_INF;
+        }
+}
+
+// Two C fragments side by side (columns 16 kk .. 16 kk + 15 of P) packed into one A fragment.
+template <typename T, int MT, int NT>
+__device__ __forceinline__ void p_fragments(unsigned (&pa)[MT][4], const float (&s)[MT][NT][4], int kk) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        pa[mt][0] = Elem<T>::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pa[mt][1] = Elem<T>::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pa[mt][2] = Elem<T>::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pa[mt][3] = Elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+    }
+}
