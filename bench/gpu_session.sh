@@ -103,6 +103,7 @@ $PY -c "
 import json, os; json.dump([{f'grid_float16_d{d}': json.load(open(f'/tmp/tc/grid_float16_d{d}.json'))} for d in (64, 128)
                             if os.path.exists(f'/tmp/tc/grid_float16_d{d}.json')],
                        open('$OUT/tc.json', 'w'), indent=1)"
+tar -czf "$OUT/tc.tgz" -C /tmp/tc .        # the family files (md, csv, json) for bench/results/<gpu>/
 fi
 
 if [[ $PARTS == *families* ]]; then
