@@ -38,6 +38,11 @@ def main(argv=None):
                 failed.append(name)
                 print(f"family {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             print(f"== family {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        try:
+            from .plots import plot_dir
+            plot_dir(args.out)
+        except ImportError:
+            print("matplotlib not installed: no PNGs here; draw them with `python -m bench plot DIR`", file=sys.stderr)
         sys.exit(1 if failed else 0)
     family(args.cmd).main(args, Path(args.out))
 

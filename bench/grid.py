@@ -7,8 +7,9 @@ makes a row slice exact); a backward (whose dK, dV need every row) is checked on
 problem with the same options through sandbox.fuzz.check_case. A variant that fails is not timed.
 Timing: sandbox.timing.time_fn (CUDA events, warm-up, L2 flushed between repetitions, median).
 FLOPs (DESIGN.md): forward 4 B H N^2 d, halved if causal; backward 2.5x forward; both 3.5x.
-Baselines in the same run: PyTorch SDPA (flash = FlashAttention-2, cuDNN, math = standard
-attention) in fp16 (their kernels have no fp32 path except math).
+Baselines in the same run, fp16 (their kernels have no fp32 path except math): PyTorch SDPA
+(flash = FlashAttention-2, cuDNN, efficient, math = standard attention) and a plain CuPy standard
+attention (cuBLAS matmuls, forward only).
 
     python -m bench run grid --dtype float32 --headdim 64 --directions forward,backward \
         --variants standard,fa2,fa2:split=k+block_r=16+block_c=128
@@ -57,6 +58,10 @@ def check_slice(bound, q, k, v, res, causal, dtype):
 FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "both": 3.5}
 
 
+def label_of(backend: str) -> str:
+    return "cupy-standard (fp16)" if backend == "cupy" else f"sdpa-{backend} (fp16)"
+
+
 def check_backward(bound, d, dtype, causal):
     """(ok, worst verdict) of a (1, 2, 256, d) forward + backward against the oracle."""
     case = Case(1, 2, 2, 256, 256, d, dtype, {"causal": True} if causal else {}, data_seed=d)
@@ -76,7 +81,8 @@ def timed_call(bound, q, k, v, causal, direction, dout):
 
 
 def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=DEFAULT_VARIANTS,
-        directions=("forward",), backends=("flash", "cudnn", "math"), reps=10, tokens=16384, hidden=2048):
+        directions=("forward",), backends=("flash", "cudnn", "efficient", "math", "cupy"), reps=10, tokens=16384,
+        hidden=2048):
     import cupy as cp
     npdt = {"float32": cp.float32, "float16": cp.float16}[dtype]
     H = hidden // d
@@ -113,12 +119,17 @@ def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=DEFAUL
                     rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
                                  "tflops": tflops(flops, t.median_ms)})
                 for be in backends:
-                    progress(f"N={N} {direction} causal={causal} sdpa-{be}")
-                    fn = baselines.sdpa(be, B, H, N, N, d, "float16", causal, direction=direction)
+                    progress(f"N={N} {direction} causal={causal} {label_of(be)}")
+                    fn = (baselines.cupy_standard(B, H, N, N, d, "float16", causal, direction) if be == "cupy" else
+                          baselines.sdpa(be, B, H, N, N, d, "float16", causal, direction=direction))
                     if fn is None:
                         continue
-                    t = time_fn(fn, reps=reps)
-                    rows.append({**base, "dtype": "float16", "variant": f"sdpa-{be} (fp16)", "status": "baseline",
+                    try:
+                        t = time_fn(fn, reps=reps)
+                    except Exception as e:      # noqa: BLE001 -- a baseline out of memory is a table cell
+                        rows.append({**base, "dtype": "float16", "variant": label_of(be), "status": f"skipped: {str(e)[:60]}"})
+                        continue
+                    rows.append({**base, "dtype": "float16", "variant": label_of(be), "status": "baseline",
                                  "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
         del q, k, v, dout
         cp.get_default_memory_pool().free_all_blocks()
@@ -150,7 +161,9 @@ def add_arguments(ap):
     ap.add_argument("--seqlens", default="1024,2048,4096,8192")
     ap.add_argument("--directions", default="forward", help="forward,backward,both")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--baselines", default="flash,cudnn,math", help="SDPA backends timed beside the variants ('' for none)")
+    ap.add_argument("--baselines", default="flash,cudnn,efficient,math,cupy",
+                    help="SDPA backends (flash, cudnn, efficient, math) and cupy (plain CuPy standard attention) "
+                         "timed beside the variants ('' for none)")
 
 
 def main(args, out: Path):

@@ -1,6 +1,7 @@
 """Baselines timed in the same run as the sandbox's variants: PyTorch SDPA's backends (flash =
-FlashAttention-2, cuDNN, memory-efficient, math = standard attention) and a cuBLAS fp16 GEMM
-(the tensor-core ceiling). Each returns a zero-argument callable, or None where unavailable."""
+FlashAttention-2, cuDNN, memory-efficient, math = standard attention), a plain CuPy standard
+attention (cuBLAS matmuls and CuPy elementwise kernels, S and P materialised) and a cuBLAS fp16
+GEMM (the tensor-core ceiling). Each returns a zero-argument callable, or None where unavailable."""
 from __future__ import annotations
 
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
@@ -49,6 +50,30 @@ def sdpa(backend: str, B, H, Nq, Nk, d, dtype="float16", causal=False, direction
         o.backward(dout)
 
     return run_forward if direction == "forward" else run_backward   # "both": forward + backward
+
+
+def cupy_standard_attention(q, k, v, causal=False):
+    """softmax(scale Q K^T) V in plain CuPy, [B, H, N, d] arrays: S by cuBLAS in the input dtype,
+    softmax in fp32 (safe: row max subtracted), P cast back, O = P V by cuBLAS; causal aligned
+    bottom-right like the sandbox."""
+    import math
+    import cupy as cp
+    Nq, Nk = q.shape[-2], k.shape[-2]
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        s[..., cp.triu(cp.ones((Nq, Nk), dtype=bool), k=Nk - Nq + 1)] = -cp.inf
+    s = cp.exp(s - s.max(axis=-1, keepdims=True))
+    return cp.matmul((s / s.sum(axis=-1, keepdims=True)).astype(q.dtype), v)
+
+
+def cupy_standard(B, H, Nq, Nk, d, dtype="float16", causal=False, direction="forward"):
+    """A callable timing cupy_standard_attention on random inputs; forward only (None otherwise)."""
+    if direction != "forward":
+        return None
+    import cupy as cp
+    gen = cp.random.default_rng(0)
+    q, k, v = (gen.standard_normal((B, H, n, d), dtype=cp.float32).astype(dtype) for n in (Nq, Nk, Nk))
+    return lambda: cupy_standard_attention(q, k, v, causal)
 
 
 def gemm_fp16(n: int = 8192):

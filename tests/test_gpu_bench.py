@@ -53,3 +53,14 @@ def test_memory_hook_counts_a_calls_peak():
         c = cp.empty(1 << 20, cp.uint8)
         del c
     assert hook.peak == 3 << 20 and hook.current == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cupy_standard_baseline_matches_the_oracle(causal):
+    import cupy as cp
+    from sandbox import baselines, oracle
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, n, 32)).astype(np.float16) for n in (70, 90, 90))
+    out = baselines.cupy_standard_attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal)
+    ref, _ = oracle.forward(q, k, v, causal=causal)
+    np.testing.assert_allclose(out.get().astype(np.float64), ref, atol=2e-2)
