@@ -21,25 +21,7 @@
 // Envelope (static_asserts below, ValueError in variants/fa2_tc.py): D in {64, 128} (d <= D and a
 // multiple of 8, zero-filled to D), BR / WARPS a multiple of 16, BC a multiple of 16.
 #include "tc_softmax.cuh"
-
-// ---- device helpers
-
-// Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into a
-// swizzled [ROWS][D] tile, asynchronously; rows >= N and 16-byte chunks >= d / 8 are zero-filled.
-template <typename T, int ROWS, int D, int THREADS>
-__device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ src, long long srow,
-                                                int row0, int N, int dchunks) {
-    constexpr int CH = D / 8;
-#pragma unroll
-    for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
-        const int e = threadIdx.x + it * THREADS;
-        if ((ROWS * CH) % THREADS != 0 && e >= ROWS * CH) break;
-        const int r = e / CH, c = e % CH;
-        const bool in = row0 + r < N && c < dchunks;
-        const T* g = in ? src + (long long)(row0 + r) * srow + c * 8 : src;
-        cp_async_16(smem_addr(dst + swizzle<D>(r, c)), g, in ? 16 : 0);
-    }
-}
+#include "tc_gemm.cuh"
 
 // ---- kernels
 
@@ -79,15 +61,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
 
-    // ldmatrix row addresses (bytes, shared window). A lane's swizzled chunk for k-step kk is
-    // (2 kk + c) ^ (row % 8) = 2 kk ^ (c ^ row % 8) with c in {0, 1}, and rows are multiples of 128
-    // bytes, so every k-step's address is the lane's base XOR (kk << 5): one register per operand,
-    // not one per (k-step, tile) as the compiler hoisted from swizzle<D>() (seen: 243 registers).
-    constexpr int ROWB = D * 2;
-    const int r7 = lane & 7;
-    const unsigned q_base = smem_addr(sQ) + (wrow + lane % 16) * ROWB + (((lane / 16) ^ r7) << 4);
-    const unsigned k_base = smem_addr(sK) + ((lane / 16) * 8 + r7) * ROWB + ((((lane / 8) & 1) ^ r7) << 4);
-    const unsigned v_base = smem_addr(sV) + (((lane / 8) & 1) * 8 + r7) * ROWB + (((lane / 16) ^ r7) << 4);
+    const TileBases base = tile_bases<T, D>(sQ, sK, sV, wrow, lane);
 
     load_tile_async<T, BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
     if (t <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, t * BC, Nk, dch);
@@ -115,29 +89,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
         // S = Q K_t^T (fp32), this warp's RW rows x BC keys
         float s[MT][NT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-                ldmatrix_x4(a[mt], (q_base ^ (kk << 5)) + mt * 16 * ROWB);
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                unsigned bk[4];
-                ldmatrix_x4(bk, (k_base ^ (kk << 5)) + np * 16 * ROWB);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(s[mt][2 * np], a[mt], bk);
-                    mma_16816<T>(s[mt][2 * np + 1], a[mt], bk + 2);
-                }
-            }
-        }
+        gemm_qk<T, D>(s, base.q, base.k);
         __syncthreads();                              // every warp is done reading K_t
         if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
@@ -149,22 +101,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
         cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)
         __syncthreads();
-        // O += P V_t: P from registers (two C fragments = one A fragment), V by ldmatrix.trans
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            unsigned pa[MT][4];
-            p_fragments<T>(pa, s, kk);
-#pragma unroll
-            for (int dp = 0; dp < ND / 2; ++dp) {
-                unsigned bv[4];
-                ldmatrix_x4_trans(bv, (v_base ^ (dp << 5)) + kk * 16 * ROWB);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<T>(o[mt][2 * dp], pa[mt], bv);
-                    mma_16816<T>(o[mt][2 * dp + 1], pa[mt], bv + 2);
-                }
-            }
-        }
+        gemm_pv<T, D, BC>(o, s, base.v);             // O += P V_t, P from registers
         t = next;
     }
     cp_async_wait<0>();                               // nothing may land after the block exits

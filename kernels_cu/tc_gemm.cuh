@@ -1,0 +1,93 @@
+// tc_gemm.cuh: the swizzled-tile machinery of the tensor-core rungs from fa2_tc.cu on: cp.async
+// copies of Q / K / V tiles into XOR-swizzled shared memory, the ldmatrix base addresses of a lane,
+// and the two GEMMs of a K/V tile on mma.m16n8k16 fragments (S = Q K^T; O += P V with P taken from
+// the S registers). Shared by fa2_tc.cu and fa1_tc.cu.
+#pragma once
+#include "mma.cuh"
+#include "tc_softmax.cuh"
+
+// ---- device helpers
+
+// Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into a
+// swizzled [ROWS][D] tile, asynchronously; rows >= N and 16-byte chunks >= d / 8 are zero-filled.
+template <typename T, int ROWS, int D, int THREADS>
+__device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ src, long long srow,
+                                                int row0, int N, int dchunks) {
+    constexpr int CH = D / 8;
+#pragma unroll
+    for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
+        const int e = threadIdx.x + it * THREADS;
+        if ((ROWS * CH) % THREADS != 0 && e >= ROWS * CH) break;
+        const int r = e / CH, c = e % CH;
+        const bool in = row0 + r < N && c < dchunks;
+        const T* g = in ? src + (long long)(row0 + r) * srow + c * 8 : src;
+        cp_async_16(smem_addr(dst + swizzle<D>(r, c)), g, in ? 16 : 0);
+    }
+}
+
+// ldmatrix row addresses (bytes, shared window) of this lane for the Q rows from `wrow`, K and V.
+// A lane's swizzled chunk for k-step kk is (2 kk + c) ^ (row % 8) = 2 kk ^ (c ^ row % 8) with c in
+// {0, 1}, and rows are multiples of 128 bytes, so every k-step's address is the lane's base XOR
+// (kk << 5): one register per operand, not one per (k-step, tile) as the compiler hoisted from
+// swizzle<D>() (seen: 243 registers).
+struct TileBases {
+    unsigned q, k, v;
+};
+template <typename T, int D>
+__device__ __forceinline__ TileBases tile_bases(const T* sQ, const T* sK, const T* sV, int wrow, int lane) {
+    constexpr int ROWB = D * 2;
+    const int r7 = lane & 7;
+    return {smem_addr(sQ) + (wrow + lane % 16) * ROWB + (((lane / 16) ^ r7) << 4),
+            smem_addr(sK) + ((lane / 16) * 8 + r7) * ROWB + ((((lane / 8) & 1) ^ r7) << 4),
+            smem_addr(sV) + (((lane / 8) & 1) * 8 + r7) * ROWB + (((lane / 16) ^ r7) << 4)};
+}
+
+// s = Q K^T for this warp's 16 MT rows and the tile's 8 NT keys (fp32, overwritten).
+template <typename T, int D, int MT, int NT>
+__device__ __forceinline__ void gemm_qk(float (&s)[MT][NT][4], unsigned q_base, unsigned k_base) {
+    constexpr int ROWB = D * 2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+            ldmatrix_x4(a[mt], (q_base ^ (kk << 5)) + mt * 16 * ROWB);
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            unsigned bk[4];
+            ldmatrix_x4(bk, (k_base ^ (kk << 5)) + np * 16 * ROWB);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(s[mt][2 * np], a[mt], bk);
+                mma_16816<T>(s[mt][2 * np + 1], a[mt], bk + 2);
+            }
+        }
+    }
+}
+
+// O += P V: P from the S registers (two C fragments = one A fragment), V by ldmatrix.trans.
+template <typename T, int D, int BC, int MT, int NT, int ND>
+__device__ __forceinline__ void gemm_pv(float (&o)[MT][ND][4], const float (&s)[MT][NT][4], unsigned v_base) {
+    constexpr int ROWB = D * 2;
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        unsigned pa[MT][4];
+        p_fragments<T>(pa, s, kk);
+#pragma unroll
+        for (int dp = 0; dp < ND / 2; ++dp) {
+            unsigned bv[4];
+            ldmatrix_x4_trans(bv, (v_base ^ (dp << 5)) + kk * 16 * ROWB);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_16816<T>(o[mt][2 * dp], pa[mt], bv);
+                mma_16816<T>(o[mt][2 * dp + 1], pa[mt], bv + 2);
+            }
+        }
+    }
+}
