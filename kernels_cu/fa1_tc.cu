@@ -68,6 +68,8 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         const int col0 = j * BC;
         int i0, i1;
         band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, i0, i1);
+        while (i0 <= i1 && thead[i0 * nTc + j] == TILE_EMPTY) ++i0;
+        if (i0 > i1) continue;                            // no Q tile sees K_j: never loaded
         __syncthreads();                                  // every warp is done with K_{j-1}, V_{j-1}
         load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, col0, Nk, dch);
         load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);
