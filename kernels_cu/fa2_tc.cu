@@ -14,6 +14,9 @@
 //       DROPOUT is a template switch: the unrolled Philox calls cost registers even when unused.
 //       Pipeline (the flash-attn 2 order): V_j's copy flies while S = Q K_j^T is computed, K_{j+1}'s
 //       while softmax and O += P V_j run; one K and one V buffer.
+// Status (H100, bench/results/h100/): 0 failures over 5,005 fp16 Hypothesis examples (9f89475);
+// compute-sanitizer clean. 224-242 TFLOP/s at d = 64 and 238-283 at d = 128 (N = 2k-16k, best
+// config per cell), 0.72-0.83x PyTorch SDPA's flash backend; rung 1 (fa2_tc_naive.cu) runs 43-50.
 // Masks: the host's tile table (EMPTY / FULL / PARTIAL) and the band bound the tile loop (tiles
 // above the causal diagonal are never loaded); the element predicate runs only in partial tiles
 // and the tile that crosses Nk. Dropout: the contract's Philox counters, one call per pair of

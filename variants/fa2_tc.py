@@ -10,7 +10,8 @@ Parameters: Br (`block_r`), Bc (`block_c`), `warps` (Br / warps query rows per w
 Envelope: fp16 inputs, head dim a multiple of 8 up to 128 (zero-filled to 64 or 128), 16-byte
 aligned rows (cp.async copies 16 bytes). Forward only: the backward is not built yet and is
 rejected by the capability check.
-Status and speed: bench/results/<gpu>/ (tensor-core table, next to PyTorch SDPA).
+Status and speed (H100): 5,005 fp16 examples, 0 failures; 224-283 TFLOP/s on the FA2 grid, 0.72-0.83x
+PyTorch SDPA flash (bench/results/h100/grid_float16_d*.md). The rung below is fa2-tc-naive.
 """
 from __future__ import annotations
 
