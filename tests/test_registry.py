@@ -110,12 +110,23 @@ def test_fa2_tc_envelope(d, params, match):
             check()
 
 
-def test_fa2_tc_rejects_fp32_and_backward_before_launch():
-    with pytest.raises(ValueError, match="fa2-tc.*dtype float32"):
-        sandbox.forward(*qkv(d=64), variant="fa2-tc")
+@pytest.mark.parametrize("name", ["fa2-tc", "fa2-tc-naive", "fa1-tc"])
+def test_tensor_core_rungs_reject_fp32_and_backward_before_launch(name):
+    with pytest.raises(ValueError, match=f"{name}.*dtype float32"):
+        sandbox.forward(*qkv(d=64), variant=name)
     q, k, v = qkv(d=64, dtype=np.float16)
-    with pytest.raises(ValueError, match="fa2-tc.*backward pass"):
-        sandbox.backward(q, q=q, k=k, v=v, out=q, lse=np.zeros(q.shape[:3], np.float32), variant="fa2-tc")
+    with pytest.raises(ValueError, match=f"{name}.*backward pass"):
+        sandbox.backward(q, q=q, k=k, v=v, out=q, lse=np.zeros(q.shape[:3], np.float32), variant=name)
+    with pytest.raises(ValueError, match=f"{name}.*head dim 36"):
+        sandbox.get_variant(name).check(sandbox.problem.make_problem(*qkv(d=36, dtype=np.float16)))
+
+
+def test_tensor_core_rungs_name_their_kernels():
+    from variants.fa1_tc import FA1TCConfig
+    from variants.fa2_tc_naive import NaiveConfig
+    assert NaiveConfig().forward_name("float16", 128, True) == "fa2_tc_naive_forward<__half, 128, 64, 64, 4, 10, true>"
+    assert FA1TCConfig(128, 64, 8).forward_name("float16", 64, False) == "fa1_tc_forward<__half, 64, 128, 64, 8, 10, false>"
+    assert sandbox.get_variant("fa1-tc").params == {"block_r": 128, "block_c": 64, "warps": 8, "philox_rounds": 10}
 
 
 def test_fa2_tc_occupancy_auto_follows_the_accumulators():

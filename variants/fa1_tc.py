@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
-from sandbox.loader import CompileUnit, launch
+from sandbox.launch import cuda_options
+from sandbox.loader import CompileUnit
 from sandbox.registry import Param, Variant, register
 
-from .fa2_tc import CAPS, CTYPE, LOG2E, FA2TensorCore, TCConfig, check_alignment, d_pad
+from .fa2_tc import CAPS, CTYPE, FA2TensorCore, TCConfig
 
 
 # ---- config
@@ -48,24 +48,10 @@ class FA1TensorCore(FA2TensorCore):
 
     def forward(self, p, q, k, v, config):
         import cupy as xp
-        for x, nm in ((q, "q"), (k, "k"), (v, "v")):
-            check_alignment(x, nm, self.name)
-        D = d_pad(p.d)
-        unit = config.unit(p.dtype, D)
-        name = config.forward_name(p.dtype, D, p.dropout_p > 0)
-        out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
-        lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         o_acc = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)          # O, m, l in HBM (Algorithm 1, line 2)
         m_acc = xp.full((p.B, p.Hq, p.Nq), -xp.inf, dtype=xp.float32)
         l_acc = xp.zeros((p.B, p.Hq, p.Nq), dtype=xp.float32)
-        tiles, tile_heads = tile_table(p, config.block_r, config.block_c, xp)
-        launch(unit, name, (1, p.B * p.Hq), (32 * config.warps,),
-               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, o_acc, m_acc, l_acc,
-                tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(p.scale * LOG2E), *mask_args(p, xp), *dropout_args(p)),
-               shared_mem=unit.dynamic_smem[name])
-        return out, lse
-
+        return self.launch(p, q, k, v, config, (1, p.B * p.Hq), (o_acc, m_acc, l_acc))
 
 register(Variant(
     name="fa1-tc", family="fa1", backend="cuda",

@@ -121,6 +121,11 @@ class FA2TensorCore:
         return [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
 
     def forward(self, p, q, k, v, config):
+        return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
+
+    def launch(self, p, q, k, v, config, grid, scratch=()):
+        """The shared signature of the tensor-core forward kernels; `scratch`: arrays a kernel takes
+        between lse and the tile table (fa1-tc's O, m, l)."""
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
             check_alignment(x, nm, self.name)
@@ -130,13 +135,12 @@ class FA2TensorCore:
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         tiles, tile_heads = tile_table(p, config.block_r, config.block_c, xp)
-        launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
-               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse,
+        launch(unit, name, grid, (32 * config.warps,),
+               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, *scratch,
                 tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
                 f32(p.scale * LOG2E), *mask_args(p, xp), *dropout_args(p)),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
-
 
 PARAMS = (
     Param("block_r", (64, 128), 64, "Br: query rows per thread block"),
