@@ -146,9 +146,11 @@ def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
         opts += [f"-I{d}" for d in cuda_include_dirs()]
         result = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.decode(errors="replace")
+        # a mutable buffer: NVRTC writes into it (writing into a bytes object, as before, mutates an
+        # immutable value, and for sizes 0 and 1 CPython's shared singletons)
+        buf = bytearray(size)
+        nvrtc.nvrtcGetProgramLog(prog, buf)
+        log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise RuntimeError(f"NVRTC failed to compile {unit.source} for {arch}:\n{log}")
         lowered = {}
@@ -158,6 +160,12 @@ def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     return _parse_ptxas(log, lowered, unit, arch)
+
+
+def _nvrtc_version() -> str:
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
 
 
 def _parse_ptxas(log: str, lowered: dict, unit: CompileUnit, arch: str) -> list[KernelReport]:
@@ -178,8 +186,8 @@ def _parse_ptxas(log: str, lowered: dict, unit: CompileUnit, arch: str) -> list[
     for mangled, name in lowered.items():
         r = info.get(mangled, {})
         if "regs" not in r:
-            raise RuntimeError(f"no ptxas report for {name} ({mangled}) in {unit.source} for {arch}; "
-                               f"NVRTC log:\n{log[-3000:]}")
+            raise RuntimeError(f"no ptxas report for {name} ({mangled}) in {unit.source} for {arch} "
+                               f"(NVRTC {_nvrtc_version()}); NVRTC log:\n{log[-3000:] or '(empty)'}")
         reports.append(KernelReport(unit.label or unit.source, name, arch, r["regs"], r.get("stores", 0),
                                     r.get("loads", 0), r.get("stack", 0), r["smem"],
                                     int(unit.dynamic_smem.get(name, 0))))
