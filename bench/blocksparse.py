@@ -22,7 +22,7 @@ from sandbox import oracle, tolerance
 from sandbox.masks import BlockSparse
 from sandbox.timing import time_fn
 
-from .common import Progress, stamp, write
+from .common import Progress, csv_of, stamp, write
 
 N, D, BLOCK, TOKENS, HIDDEN = 4096, 64, 128, 16384, 2048
 SERIES = (("fa2-tc", "float16"), ("fa2", "float32"))
@@ -95,11 +95,12 @@ def markdown(rows) -> str:
 
 
 def add_arguments(ap):
-    ap.add_argument("--densities", default=",".join(map(str, DENSITIES)))
+    ap.add_argument("--densities", type=csv_of(kind=float, low=1e-6, high=1.0), default=DENSITIES,
+                    help="block densities in (0, 1] (the ideal line divides by them)")
 
 
 def main(args, out: Path):
-    densities = tuple(float(x) for x in args.densities.split(","))
+    densities = tuple(args.densities)
     if 1.0 not in densities:
         densities += (1.0,)         # the dense time is the ideal line's anchor
     rows = run(densities, args.reps)

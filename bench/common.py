@@ -61,6 +61,27 @@ def parse_variant(spec: str):
     return label, sandbox.get_variant(name, **params)
 
 
+def csv_of(allowed=None, kind=str, low=None, high=None):
+    """argparse type: a comma-separated list of `kind` values, each in `allowed` or [low, high];
+    a bad entry is an argparse error naming it, before anything runs on the GPU."""
+    import argparse
+
+    def parse(text: str) -> tuple:
+        items = []
+        for raw in filter(None, (t.strip() for t in text.split(","))):
+            try:
+                x = kind(raw)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{raw!r} is not a {kind.__name__}") from None
+            if allowed is not None and x not in allowed:
+                raise argparse.ArgumentTypeError(f"{raw!r} is not one of {', '.join(map(str, allowed))}")
+            if (low is not None and x < low) or (high is not None and x > high):
+                raise argparse.ArgumentTypeError(f"{raw!r} is outside [{low}, {high}]")
+            items.append(x)
+        return tuple(items)
+    return parse
+
+
 def write(out: Path, stem: str, family: str, meta: dict, rows: list, markdown: str, keys=None) -> None:
     """stem.json (meta + rows), stem.csv (rows, `keys` columns or all), stem.md (stamp + markdown)."""
     out.mkdir(parents=True, exist_ok=True)

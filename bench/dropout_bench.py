@@ -17,7 +17,7 @@ import numpy as np
 import sandbox
 from sandbox.timing import time_fn
 
-from .common import stamp, write
+from .common import csv_of, stamp, write
 
 P = 0.1
 
@@ -63,10 +63,10 @@ def markdown(rows, variant):
 
 
 def add_arguments(ap):
-    ap.add_argument("--seqlens", default="1024,2048,4096,8192")
+    ap.add_argument("--seqlens", type=csv_of(kind=int, low=1), default=(1024, 2048, 4096, 8192))
     ap.add_argument("--variant", default="fa2")
 
 
 def main(args, out: Path):
-    rows = run([int(n) for n in args.seqlens.split(",")], 64, args.reps, args.variant)
+    rows = run(list(args.seqlens), 64, args.reps, args.variant)
     write(out, "dropout", "dropout", stamp(p=P, variant=args.variant), rows, markdown(rows, args.variant))

@@ -26,7 +26,7 @@ from sandbox.problem import make_problem
 from sandbox.fuzz import Case, check_case
 from sandbox.timing import tflops, time_fn
 
-from .common import Progress, parse_variant, stamp, write
+from .common import Progress, csv_of, parse_variant, stamp, write
 
 CHECK_ROWS = 1024
 # the exact-tier ladder: standard, FA1 split-K (its own partitioning) and split-Q, FA2 split-Q (its
@@ -156,20 +156,21 @@ def markdown(rows) -> str:
 
 
 def add_arguments(ap):
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16"))
     ap.add_argument("--headdim", type=int, default=64)
-    ap.add_argument("--seqlens", default="1024,2048,4096,8192")
-    ap.add_argument("--directions", default="forward", help="forward,backward,both")
+    ap.add_argument("--seqlens", type=csv_of(kind=int, low=1), default=(1024, 2048, 4096, 8192))
+    ap.add_argument("--directions", type=csv_of(tuple(FLOP_FACTOR)), default=("forward",), help="forward,backward,both")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--baselines", default="flash,cudnn,efficient,math,cupy",
+    ap.add_argument("--baselines", type=csv_of(("flash", "cudnn", "efficient", "math", "cupy")),
+                    default=("flash", "cudnn", "efficient", "math", "cupy"),
                     help="SDPA backends (flash, cudnn, efficient, math) and cupy (plain CuPy standard attention) "
                          "timed beside the variants ('' for none)")
 
 
 def main(args, out: Path):
-    directions = tuple(args.directions.split(","))
-    rows = run(args.dtype, args.headdim, [int(n) for n in args.seqlens.split(",")], args.variants.split(","),
-               directions, tuple(filter(None, args.baselines.split(","))), args.reps)
+    directions = tuple(args.directions)
+    rows = run(args.dtype, args.headdim, list(args.seqlens), args.variants.split(","), directions,
+               tuple(args.baselines), args.reps)
     stem = f"grid_{args.dtype}_d{args.headdim}" + ("" if directions == ("forward",) else "_" + "_".join(directions))
     write(out, stem, "grid", stamp(dtype=args.dtype, d=args.headdim, directions=list(directions)), rows, markdown(rows),
           ["N", "B", "H", "d", "causal", "direction", "dtype", "variant", "status", "ms", "tflops"])

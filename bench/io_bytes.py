@@ -32,7 +32,7 @@ import sys
 from math import ceil
 from pathlib import Path
 
-from .common import Progress, stamp, write
+from .common import Progress, csv_of, stamp, write
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 MARKER = "io_case_marker"
@@ -264,12 +264,13 @@ def markdown(rows, checks) -> str:
 
 
 def add_arguments(ap):
-    ap.add_argument("--sweep", default="512,1024,2048,4096,8192", help="N of the forward sweep")
+    ap.add_argument("--sweep", type=csv_of(kind=int, low=1), default=(512, 1024, 2048, 4096, 8192),
+                    help="N of the forward sweep")
     ap.add_argument("--ncu", default="ncu")
 
 
 def main(args, out: Path):
-    rows, checks = run(tuple(int(n) for n in args.sweep.split(",")), args.reps, args.ncu)
+    rows, checks = run(tuple(args.sweep), args.reps, args.ncu)
     write(out, "io", "io", stamp(checks=checks), rows, markdown(rows, checks),
           ["setting", "variant", "dtype", "direction", "B", "H", "N", "d", "read_bytes", "write_bytes",
            "total_bytes", "model_bytes", "compulsory_bytes", "kernels", "ms", "kernel_names"])

@@ -18,7 +18,7 @@ import numpy as np
 from sandbox import softmax
 from sandbox.timing import time_fn
 
-from .common import stamp, write
+from .common import csv_of, stamp, write
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 CHECK_ROWS = 8
@@ -66,10 +66,10 @@ def markdown(results, rows):
 
 def add_arguments(ap):
     ap.add_argument("--rows", type=int, default=4000)
-    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    ap.add_argument("--backends", default="cuda,numba")
+    ap.add_argument("--lengths", type=csv_of(kind=int, low=1), default=LENGTHS)
+    ap.add_argument("--backends", type=csv_of(("cuda", "numba")), default=("cuda", "numba"))
 
 
 def main(args, out: Path):
-    results = run(args.rows, [int(n) for n in args.lengths.split(",")], args.backends.split(","), args.reps)
+    results = run(args.rows, list(args.lengths), list(args.backends), args.reps)
     write(out, "softmax", "softmax", stamp(rows=args.rows), results, markdown(results, args.rows))

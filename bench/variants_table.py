@@ -20,7 +20,7 @@ import sandbox
 from sandbox.problem import make_problem
 from sandbox.timing import tflops, time_fn
 
-from .common import Progress, stamp, write
+from .common import Progress, csv_of, stamp, write
 from .grid import check_slice
 
 # (variant, dtype, head dims, N, the swept axes: param -> values)
@@ -112,9 +112,9 @@ def markdown(rows) -> str:
 
 
 def add_arguments(ap):
-    ap.add_argument("--shapes", default="exact,tc", help="shape families: " + ",".join(SHAPES))
+    ap.add_argument("--shapes", type=csv_of(tuple(SHAPES)), default=("exact", "tc"), help="shape families: " + ",".join(SHAPES))
 
 
 def main(args, out: Path):
-    rows = run(tuple(args.shapes.split(",")), args.reps)
-    write(out, "variants", "variants", stamp(shapes=args.shapes), rows, markdown(rows))
+    rows = run(tuple(args.shapes), args.reps)
+    write(out, "variants", "variants", stamp(shapes=",".join(args.shapes)), rows, markdown(rows))

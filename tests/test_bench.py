@@ -161,3 +161,25 @@ def test_write_stamps_every_output(tmp_path, monkeypatch):
     assert "c0ffee1" in (tmp_path / "t.md").read_text()
     assert (tmp_path / "t.csv").read_text().splitlines() == ["a,b", "1,2"]
     assert common.load(tmp_path / "t.json")["rows"] == [{"a": 1, "b": 2}]
+
+
+@pytest.mark.parametrize("argv,bad", [
+    (["grid", "--dtype", "bfloat16"], "bfloat16"), (["grid", "--directions", "forward,backwards"], "backwards"),
+    (["grid", "--baselines", "flashy"], "flashy"), (["grid", "--seqlens", "1024,abc"], "abc"),
+    (["variants", "--shapes", "exact,fp8"], "fp8"), (["blocksparse", "--densities", "0.5,1.5"], "1.5"), (["blocksparse", "--densities", "0"], "outside"),
+    (["io", "--sweep", "0"], "'0'"), (["softmax", "--backends", "triton"], "triton"),
+])
+def test_bad_options_are_rejected_before_anything_runs(argv, bad, capsys):
+    from bench.__main__ import main
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--out", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: argument" in err and bad in err
+
+
+def test_csv_of_parses_and_names_the_bad_entry():
+    import argparse
+    assert common.csv_of(kind=int, low=1)("512, 1024,") == (512, 1024)
+    assert common.csv_of(("q", "k"))("k,q") == ("k", "q")
+    with pytest.raises(argparse.ArgumentTypeError, match="'1.5' is outside"):
+        common.csv_of(kind=float, low=0.0, high=1.0)("0.2,1.5")
