@@ -30,7 +30,7 @@ SHAPES = {
               ("fa2", "float32", (64,), 2048, {"split": ("q", "k"), "block_r": (16, 64, 128), "block_c": (64, 128),
                                                  "warps": (4, 8)})],
     "tc": [("fa2-tc", "float16", (64, 128), 4096, {"block_r": (64, 128), "block_c": (32, 64, 128), "warps": (4, 8),
-                                                    "min_blocks": ("auto", 2)})],
+                                                    "min_blocks": ("auto", 1, 2)})],
 }
 
 

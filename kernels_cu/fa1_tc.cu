@@ -30,7 +30,7 @@
 // ---- kernels
 
 template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
-__global__ void __launch_bounds__(WARPS * 32)
+__global__ void __launch_bounds__(WARPS * 32, 1)
 fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
                const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
                const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,  // [B, Hkv, Nk, d]
@@ -41,7 +41,7 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                float* __restrict__ Lst,                  // [B, Hq, Nq] row sum, zero
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scale * log2(e): S in log2 units
+               float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
                MASK_PARAMS, DROPOUT_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int RW = BR / WARPS;
@@ -114,8 +114,8 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
             __syncthreads();                              // Q_i (and K_j, V_j) landed
             float s[MT][NT][4];
             gemm_qk<T, D>(s, base.q, base.k);
-            scores_to_log2(s, scale_log2, cls != TILE_FULL || col0 + BC > Nk, cls, mask, h, row_base, col0, Nq, Nk, g, tq);
-            online_softmax(s, m, l, o);
+            if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row_base, col0, Nq, Nk, g, tq);
+            online_softmax(s, m, l, o, scale_log2);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row_base, col0, g, tq);
             gemm_pv<T, D, BC>(o, s, base.v);
 

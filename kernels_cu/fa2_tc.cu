@@ -37,7 +37,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scale * log2(e): S in log2 units
+               float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
                MASK_PARAMS, DROPOUT_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int RW = BR / WARPS;      // query rows per warp
@@ -97,9 +97,9 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
 
-        // scores in log2 units, masked; online softmax; dropout (tc_softmax.cuh)
-        scores_to_log2(s, scale_log2, cls != TILE_FULL || col0 + BC > Nk, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-        online_softmax(s, m, l, o);
+        // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
+        if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+        online_softmax(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
 
         cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)

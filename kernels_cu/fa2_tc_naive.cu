@@ -62,7 +62,7 @@ fa2_tc_naive_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, lo
                      float* __restrict__ LSE,                  // [B, Hq, Nq]
                      const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                      int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-                     float scale_log2,                         // scale * log2(e): S in log2 units
+                     float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
                      MASK_PARAMS, DROPOUT_PARAMS) {
     constexpr int THREADS = WARPS * 32;
     constexpr int RW = BR / WARPS;      // query rows per warp
@@ -136,8 +136,8 @@ fa2_tc_naive_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, lo
             }
         }
 
-        scores_to_log2(s, scale_log2, cls != TILE_FULL || col0 + BC > Nk, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-        online_softmax(s, m, l, o);
+        if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+        online_softmax(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
 
         // O += P V_t: P from registers, B = V (pairs along keys, two 16-bit loads each)

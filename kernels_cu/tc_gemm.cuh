@@ -10,18 +10,24 @@
 
 // Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into a
 // swizzled [ROWS][D] tile, asynchronously; rows >= N and 16-byte chunks >= d / 8 are zero-filled.
+// A thread copies one chunk column c of every (THREADS / CH)-th row: one running global pointer and
+// compile-time shared offsets (r % 8, so the swizzle, is the same in every step), rather than a
+// 64-bit address per step that the compiler would hoist out of the tile loop and keep live.
 template <typename T, int ROWS, int D, int THREADS>
 __device__ __forceinline__ void load_tile_async(T* dst, const T* __restrict__ src, long long srow,
                                                 int row0, int N, int dchunks) {
-    constexpr int CH = D / 8;
+    constexpr int CH = D / 8, STEP = THREADS / CH;
+    static_assert(THREADS % CH == 0 && STEP % 8 == 0, "each thread keeps one chunk column and row % 8");
+    const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+    const bool col_in = c < dchunks;
+    const T* g = src + (long long)(row0 + r) * srow + c * 8;
+    const unsigned s = smem_addr(dst + swizzle<D>(r, c));
 #pragma unroll
-    for (int it = 0; it < (ROWS * CH + THREADS - 1) / THREADS; ++it) {
-        const int e = threadIdx.x + it * THREADS;
-        if ((ROWS * CH) % THREADS != 0 && e >= ROWS * CH) break;
-        const int r = e / CH, c = e % CH;
-        const bool in = row0 + r < N && c < dchunks;
-        const T* g = in ? src + (long long)(row0 + r) * srow + c * 8 : src;
-        cp_async_16(smem_addr(dst + swizzle<D>(r, c)), g, in ? 16 : 0);
+    for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+        if (ROWS % STEP != 0 && r + it * STEP >= ROWS) break;
+        const bool in = col_in && row0 + r + it * STEP < N;
+        cp_async_16(s + it * STEP * D * 2, in ? g : src, in ? 16 : 0);
+        g += STEP * srow;
     }
 }
 

@@ -1,6 +1,6 @@
 // tc_softmax.cuh: what every FA2 forward rung of the tensor-core tier does between and after its
 // two GEMMs, on the registers of mma.m16n8k16 C fragments (see mma.cuh for the layout): scores into
-// log2 units with the mask applied, the online softmax update (FA2 paper Algorithm 1, lines 9-10,
+// the mask applied (-inf scores), the online softmax update on raw scores with the scale folded into one FFMA (FA2 paper Algorithm 1, lines 9-10,
 // rescaling of O deferred to the end, Sec. 3.1), dropout with the contract's Philox counters, and
 // the epilogue that writes O / l and the logsumexp once.
 //
@@ -17,43 +17,44 @@
 
 // ---- device helpers
 
-// s <- s * scale_log2; -inf where the element is hidden (checked only when `masked`: partial tiles
-// and the tile that crosses Nk).
+// The scores stay raw (Q K^T, unscaled) until the exponent: p = 2^(s * scale_log2 - m) is one FFMA
+// and an EX2 per element, with m the row max already in log2 units (FA2 paper Sec. 3.1: fewer
+// non-matmul FLOPs). The row max is taken on the raw scores, which needs scale_log2 > 0: the host
+// passes |scale| and negates K for a negative scale (variants/fa2_tc.py). A sign switch in the
+// kernel cost up to 400 bytes of spills (NVRTC 13, sm_90, D = 64, Br = Bc = 128, 4 warps).
+
+// s <- -inf where the element is not visible; called only for partial tiles and the tile that
+// crosses Nk (full tiles skip the element predicate).
 template <int MT, int NT>
-__device__ __forceinline__ void scores_to_log2(float (&s)[MT][NT][4], float scale_log2, bool masked, int cls,
-                                               const Mask& mask, int h, int row_base, int col0, int Nq, int Nk,
-                                               int g, int tq) {
+__device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, const Mask& mask, int h,
+                                            int row_base, int col0, int Nq, int Nk, int g, int tq) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float x = s[mt][n][e] * scale_log2;
-                if (masked) {
-                    const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
-                    const int j = col0 + n * 8 + 2 * tq + (e & 1);
-                    if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) x = NEG_INF;
-                }
-                s[mt][n][e] = x;
+                const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
+                const int j = col0 + n * 8 + 2 * tq + (e & 1);
+                if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) s[mt][n][e] = NEG_INF;
             }
 }
 
-// Online softmax: new row max m, P = 2^(s - m) in place, l and O rescaled by 2^(m_old - m).
-// l holds this lane's partial row sums (quad-reduced in the epilogue).
+// Online softmax on raw scores: new row max m (log2 units), P = 2^(s scale_log2 - m) in place, l and O
+// rescaled by 2^(m_old - m). l holds this lane's partial row sums (quad-reduced in the epilogue).
 template <int MT, int NT, int ND>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&o)[MT][ND][4]) {
+                                               float (&o)[MT][ND][4], float scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            float mx = NEG_INF;
+            float mx = NEG_INF;                       // raw row max over the visible keys
 #pragma unroll
             for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[mt][hr], mx);
+            const float m_new = fmaxf(m[mt][hr], mx * scale_log2);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             const float corr = exp2_ftz(m[mt][hr] - m_use);
             float sum = 0.0f;
@@ -61,7 +62,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                    const float p = exp2_ftz(s[mt][n][e] - m_use);
+                    const float p = exp2_ftz(fmaf(s[mt][n][e], scale_log2, -m_use));
                     s[mt][n][e] = p;
                     sum += p;
                 }

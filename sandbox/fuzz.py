@@ -94,7 +94,7 @@ def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits()):
             opts["seed"] = draw(st.integers(0, 2**64 - 1))
             opts["offset"] = draw(st.integers(0, 2**32 - 1))
         if draw(st.integers(0, 4)) == 0:
-            opts["scale"] = draw(st.sampled_from([0.05, 1.0, 2.5]))
+            opts["scale"] = draw(st.sampled_from([0.05, 1.0, 2.5, -0.7]))
         logit_scale = draw(st.sampled_from([1.0, 1.0, big]))
         mean = draw(st.sampled_from([0.0, 0.0, 0.5]))
         return Case(B, Hq, Hkv, Nq, Nk, d, dtype, opts, draw(st.integers(0, 2**31)), logit_scale, mean)

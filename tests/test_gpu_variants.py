@@ -24,6 +24,8 @@ def awkward(dtype, d):
         fuzz.Case(1, 2, 2, 129, 77, d, dtype, {"causal": True, "dropout_p": 0.5, "seed": 2**40 + 3, "offset": 9}, 3),
         fuzz.Case(1, 2, 2, 33, 50, d, dtype, {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (9, 10))}, 4,
                   mean=0.5),
+        fuzz.Case(1, 2, 1, 40, 70, d, dtype, {"scale": -0.4, "causal": True}, 5),     # raw-score max needs K negated
+        fuzz.Case(1, 1, 1, 17, 33, d, dtype, {"scale": 0.0, "window": (3, 2)}, 6),    # uniform rows
     ]
 
 

@@ -37,6 +37,7 @@ class FA1TCConfig(TCConfig):
 
 class FA1TensorCore(FA2TensorCore):
     name = "fa1-tc"
+    has_backward = False
     # no spills at D = 64 and 128 (Br=64 with 4 warps spills 88 bytes at D = 128 with dropout)
     TUNED = {(128, 64, 8, "auto")}
 

@@ -196,7 +196,7 @@ class FA2Exact:
     # Split-K holds all Br rows per warp in registers: reported, not tuned.
     TUNED = {("q", 64, 64, 4), ("q", 128, 64, 8)}
 
-    def tuned(self, config) -> bool:
+    def tuned(self, config, unit=None) -> bool:
         if config.block != "manual":          # resolved per head dim and device: reported, not held
             return False
         return (config.split, config.block_r, config.block_c, config.warps) in self.TUNED

@@ -33,6 +33,12 @@ def d_pad(d: int) -> int:
     return 64 if d <= 64 else 128
 
 
+def scale_log2(scale: float) -> float:
+    """|scale| log2(e), at least 2^-100: the kernels need a positive factor. A zero scale becomes
+    2^-100, which leaves every score's exponent 2^(s 2^-100 - m) equal to 1 in fp32, as it should."""
+    return max(abs(scale) * LOG2E, 2.0 ** -100)
+
+
 # ---- config
 
 @dataclass(frozen=True)
@@ -62,6 +68,22 @@ class TCConfig:
 
     def forward_smem(self, D: int) -> int:
         return ITEMSIZE * D * (self.block_r + 2 * self.block_c)        # Q, K, V tiles
+
+    # backward geometry: fixed (kernels_cu/fa2_tc_bwd.cu: 16 keys and 16 query rows per warp)
+    BWD_BR, BWD_BC, BWD_WARPS = 64, 64, 4
+
+    def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
+        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {self.BWD_BR}, {self.BWD_BC}, {self.BWD_WARPS}, "
+                f"{self.philox_rounds}, {'true' if dropout else 'false'}>")
+
+    def backward_smem(self, D: int) -> int:
+        br, bc = self.BWD_BR, self.BWD_BC
+        return ITEMSIZE * (2 * bc * D + 2 * br * D + bc * br) + 4 * 2 * br   # K, V, Q, dO, dS^T; lse, D
+
+    def backward_unit(self, dtype: str, D: int) -> CompileUnit:
+        names = tuple(self.backward_name(dtype, D, drop) for drop in (False, True))
+        return CompileUnit("fa2_tc_bwd.cu", names, cuda_options(), {n: self.backward_smem(D) for n in names},
+                           label=f"fa2-tc-bwd[{dtype}, D={D}]")
 
     def unit(self, dtype: str, D: int) -> CompileUnit:
         """Both dropout switches in one module (the no-dropout kernel carries no Philox code)."""
@@ -114,11 +136,44 @@ class FA2TensorCore:
     # Configs whose compile report shows no spills at D = 64 and 128: the CI check holds them to it.
     TUNED = {(64, 64, 4, "auto"), (64, 64, 4, 2), (128, 64, 8, "auto")}
 
-    def tuned(self, config) -> bool:
+    # The backward has one geometry (TCConfig.BWD_*); at D = 128 it spills 40-96 bytes (255 registers:
+    # dK and dV accumulators alone take 128), so it is reported and not marked tuned.
+    BWD_TUNED = False
+
+    def tuned(self, config, unit=None) -> bool:
+        if unit is not None and unit.source == "fa2_tc_bwd.cu":
+            return self.BWD_TUNED
         return (config.block_r, config.block_c, config.warps, config.min_blocks) in self.TUNED
 
     def compile_units(self, config):
-        return [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
+        """The forward units of `config`; the backward's (one geometry) with the default config only."""
+        units = [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
+        if self.has_backward and config == self.configure():
+            units += [config.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)]
+        return units
+
+    has_backward = True
+
+    def backward(self, p, dout, q, k, v, out, lse, config):
+        """FA2 Algorithm 2: D = rowsum(dO o O) (CuPy, fp32), then one block per K/V tile with dQ by
+        fp32 atomics, cast to the input dtype at the end."""
+        import cupy as xp
+        for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
+            check_alignment(x, nm, self.name)
+        D = d_pad(p.d)
+        unit = config.backward_unit(p.dtype, D)
+        name = config.backward_name(p.dtype, D, p.dropout_p > 0)
+        Dv = xp.sum(dout.astype(xp.float32) * out.astype(xp.float32), axis=-1)
+        dq = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
+        dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
+        dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
+        tiles, tile_heads = tile_table(p, config.BWD_BR, config.BWD_BC, xp)
+        launch(unit, name, (-(-p.Nk // config.BWD_BC), p.B * p.Hkv), (32 * config.BWD_WARPS,),
+               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3],
+                lse, Dv, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), i32(p.Nq), i32(p.Nk),
+                i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p)),
+               shared_mem=unit.dynamic_smem[name])
+        return dq.astype(q.dtype), dk, dv
 
     def forward(self, p, q, k, v, config):
         return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
@@ -129,6 +184,8 @@ class FA2TensorCore:
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
             check_alignment(x, nm, self.name)
+        if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
+            k = -k               # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T); one copy of K
         D = d_pad(p.d)
         unit = config.unit(p.dtype, D)
         name = config.forward_name(p.dtype, D, p.dropout_p > 0)
@@ -138,7 +195,7 @@ class FA2TensorCore:
         launch(unit, name, grid, (32 * config.warps,),
                (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, *scratch,
                 tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(p.scale * LOG2E), *mask_args(p, xp), *dropout_args(p)),
+                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p)),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 
@@ -152,9 +209,10 @@ PARAMS = (
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16",), head_dims=tuple(range(8, 129, 8)))
+CAPS_BWD = Capabilities(backward=True, dtypes=("float16",), head_dims=tuple(range(8, 129, 8)))
 
 register(Variant(
     name="fa2-tc", family="fa2", backend="cuda",
     description="FA2 forward on tensor cores: mma.sync m16n8k16, ldmatrix, swizzled smem, cp.async overlap",
-    impl=FA2TensorCore(), params=PARAMS, caps=CAPS,
+    impl=FA2TensorCore(), params=PARAMS, caps=CAPS_BWD,
     seed_ref="FA2 paper Algorithm 1, Sec. 3.1 and 3.3"))

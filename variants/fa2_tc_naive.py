@@ -37,6 +37,7 @@ class NaiveConfig(TCConfig):
 
 class FA2TensorCoreNaive(FA2TensorCore):
     name = "fa2-tc-naive"
+    has_backward = False
     TUNED = {(64, 64, 4, "auto")}
 
     def configure(self, block_r=64, block_c=64, warps=4, philox_rounds=10):

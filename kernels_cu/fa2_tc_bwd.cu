@@ -1,0 +1,182 @@
+// fa2_tc_bwd.cu: FlashAttention-2 backward on tensor cores, fp16 inputs, fp32 accumulation.
+//
+// Seed: FA2 paper (002) Algorithm 2: column-parallel (one block per K/V tile), P recomputed from the
+// logsumexp, dQ accumulated in fp32 with atomics; D = rowsum(dO o O) is a preprocessing step.
+// Per Q tile the block runs five GEMMs on mma.m16n8k16 fragments, every operand by ldmatrix from
+// XOR-swizzled tiles (tc_gemm.cuh):
+//   S^T = K_j Q_i^T and dP^T = V_j dO_i^T   (A: this warp's 16 keys; B: the tile's queries)
+//   dV_j += P_drop^T dO_i and dK_j += dS^T Q_i   (A: the S^T / dS^T registers, as P in the forward)
+//   dQ_i += dS K_j                          (A: dS^T through shared memory, ldmatrix.trans; atomics)
+// Dropout replays the contract's Philox counters per element (query i, key j): word j % 4 of
+// philox(j / 4, i, b*Hq + h, offset), as the forward.
+//
+// Kernels
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nk/BC), B*Hkv), WARPS*32 threads;
+//       each warp owns BC / WARPS = 16 keys of the tile and BR / WARPS = 16 query rows of dQ.
+// Envelope: D in {64, 128}, BC = 16 WARPS, BR = 16 WARPS, BR = 64 (the dS^T tile is swizzled in
+// rows of 64 elements).
+#include "tc_softmax.cuh"
+#include "tc_gemm.cuh"
+
+#define LOG2E_F 1.4426950408889634f
+
+// ---- kernels
+
+template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
+           const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
+           const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
+           const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
+           const float* __restrict__ LSE,      // [B, Hq, Nq]
+           const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
+           float* __restrict__ dQ,             // [B, Hq, Nq, d] fp32, zeroed
+           T* __restrict__ dK,                 // [B, Hkv, Nk, d] contiguous
+           T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
+           const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
+           int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
+           float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NQ = BR / 8;          // n8 tiles of S^T (queries)
+    constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
+    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    static_assert(BC == 16 * WARPS && BR == 16 * WARPS && BR == 64, "16 keys and 16 query rows per warp; BR = 64");
+    extern __shared__ __align__(1024) uint4 smem_u4[];
+    T* sK = reinterpret_cast<T*>(smem_u4);   // [BC][D] swizzled
+    T* sV = sK + BC * D;                      // [BC][D]
+    T* sQ = sV + BC * D;                      // [BR][D]
+    T* sdO = sQ + BR * D;                     // [BR][D]
+    T* sdS = sdO + BR * D;                    // [BC][BR] dS^T, swizzled rows of BR
+    float* sL = reinterpret_cast<float*>(sdS + BC * BR);   // [BR] lse in log2 units
+    float* sD = sL + BR;                                   // [BR] rowsum(dO o O)
+
+    const Mask mask = MASK_FROM_PARAMS;
+    const Dropout drop = DROPOUT_FROM_PARAMS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, r7 = lane & 7;
+    const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
+    const int col0 = tc * BC, wkey = warp * 16, wq = warp * 16, dch = d / 8;
+    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
+    const float scale_log2 = scale * LOG2E_F;
+
+    // operand bases: K and V rows of this warp as A; Q and dO as B (S^T, dP^T) and as B^T (dV, dK);
+    // K as B^T (dQ); dS^T as A^T (dQ): the K-style lane pattern of tile_bases, read with .trans
+    const TileBases kq = tile_bases<T, D>(sK, sQ, sdO, wkey, lane);   // .q: K as A, .k: Q as B, .v: dO as B^T
+    const TileBases vd = tile_bases<T, D>(sV, sdO, sQ, wkey, lane);   // .q: V as A, .k: dO as B, .v: Q as B^T
+    const unsigned kT = tile_bases<T, D>(sK, sK, sK, 0, lane).v;      // K as B^T
+    const unsigned dsT = smem_addr(sdS) + ((lane / 16) * 8 + r7) * (BR * 2) + ((((lane / 8) & 1) ^ r7) << 4);
+
+    load_tile_async<T, BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
+    load_tile_async<T, BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
+    cp_async_commit();
+
+    float dk[1][ND][4], dv[1][ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = 0.0f;
+    int t0, t1;
+    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
+
+    for (int gi = 0; gi < group; ++gi) {
+        const int h = hk * group + gi, bh = b * Hq + h;
+        const T* Qb = Q + b * q_sb + h * q_sh;
+        const T* dOb = dO + b * do_sb + h * do_sh;
+        for (int t = t0; t <= t1; ++t) {
+            const int cls = tiles[((long long)(tile_heads == 1 ? 0 : h) * nTr + t) * nTc + tc];
+            if (cls == TILE_EMPTY) continue;
+            const int row0 = t * BR;
+            __syncthreads();                              // every warp is done with the previous Q, dO, dS^T
+            load_tile_async<T, BR, D, THREADS>(sQ, Qb, q_sm, row0, Nq, dch);
+            load_tile_async<T, BR, D, THREADS>(sdO, dOb, do_sm, row0, Nq, dch);
+            cp_async_commit();
+            for (int x = threadIdx.x; x < BR; x += THREADS) {
+                const int i = row0 + x;
+                sL[x] = i < Nq ? LSE[(long long)bh * Nq + i] * LOG2E_F : NEG_INF;
+                sD[x] = i < Nq ? Dv[(long long)bh * Nq + i] : 0.0f;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+
+            float s[1][NQ][4], dp[1][NQ][4];
+            gemm_qk<T, D>(s, kq.q, kq.k);                // S^T: this warp's keys x the tile's queries
+            gemm_qk<T, D>(dp, vd.q, vd.k);               // dP^T = V dO^T
+            const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;          // query
+                    const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);              // key
+                    const float L = sL[x];
+                    const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                    const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L) : 0.0f;
+                    float f = 1.0f;                       // Z / (1 - p) of element (i, j)
+                    if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
+                    s[0][n][e] = p * f;                   // P_drop^T (dV's A operand)
+                    dp[0][n][e] = p * (dp[0][n][e] * f - sD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+                }
+            gemm_pv<T, D, BR>(dv, s, kq.v);              // dV += P_drop^T dO
+            gemm_pv<T, D, BR>(dk, dp, vd.v);             // dK += dS^T Q (scaled at the end)
+            // dS^T to shared memory (16-bit) for dQ = dS K
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int row = wkey + g + 8 * hr, col = n * 8 + 2 * tq;
+                    *reinterpret_cast<unsigned*>(sdS + swizzle<BR>(row, col / 8) + (col % 8)) =
+                        Elem<T>::pack(dp[0][n][2 * hr], dp[0][n][2 * hr + 1]);
+                }
+            __syncthreads();
+            // dQ rows wq..wq+15 += scale dS K: A = dS (queries x keys) by ldmatrix.trans of dS^T
+            float dq[1][ND][4];
+#pragma unroll
+            for (int n = 0; n < ND; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                unsigned a[4];
+                ldmatrix_x4_trans(a, (dsT ^ (warp << 5)) + kk * 16 * (BR * 2));
+#pragma unroll
+                for (int dp2 = 0; dp2 < ND / 2; ++dp2) {
+                    unsigned bk[4];
+                    ldmatrix_x4_trans(bk, (kT ^ (dp2 << 5)) + kk * 16 * (D * 2));
+                    mma_16816<T>(dq[0][2 * dp2], a, bk);
+                    mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
+                }
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int i = row0 + wq + g + 8 * hr;
+                if (i >= Nq) continue;
+                float* row = dQ + ((long long)bh * Nq + i) * d;
+#pragma unroll
+                for (int n = 0; n < ND; ++n) {
+                    const int c = n * 8 + 2 * tq;
+                    if (c < d) {
+                        atomicAdd(row + c, dq[0][n][2 * hr] * scale);
+                        atomicAdd(row + c + 1, dq[0][n][2 * hr + 1] * scale);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // dK = scale dS^T Q, dV: this warp's 16 keys
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int j = col0 + wkey + g + 8 * hr;
+        if (j >= Nk) continue;
+        T* krow = dK + ((long long)bhk * Nk + j) * d;
+        T* vrow = dV + ((long long)bhk * Nk + j) * d;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = n * 8 + 2 * tq;
+            if (c < d) {
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * scale, dk[0][n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[0][n][2 * hr], dv[0][n][2 * hr + 1]);
+            }
+        }
+    }
+}
