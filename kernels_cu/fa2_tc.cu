@@ -82,9 +82,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     }
 
     while (t <= t1) {
-        int next = t + 1;
-        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
-        const int cls = trow[t], col0 = t * BC;
+        const int col0 = t * BC;
         cp_async_wait<0>();
         __syncthreads();                              // K_t (and Q) landed; every warp is done with V_{t-1}
         load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);
@@ -94,10 +92,13 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         float s[MT][NT][4];
         gemm_qk<T, D>(s, base.q, base.k);
         __syncthreads();                              // every warp is done reading K_t
+        int next = t + 1;
+        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
         if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
 
         // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
+        const int cls = trow[t];
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
         online_softmax(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);

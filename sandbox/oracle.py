@@ -99,6 +99,29 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
 
 
 
+def output_rounding_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
+                           window=None, block_mask=None, philox_rounds=10) -> dict:
+    """What rounding `out` to a 16-bit dtype moves the gradients by, per unit of relative rounding.
+
+    Every FlashAttention backward forms D = rowsum(dO o O) from the stored (rounded) output, and
+    dS = P * (dP - D) cancels: where the exact gradient is ~0 (e.g. Nq = Nk = 1, where dP = D), what
+    is left is O's rounding carried through D. O's elements round independently, so D_i moves by
+    about u * rms_i, rms_i = sqrt(sum_c (dO_ic O_ic)^2), for a relative rounding u; then
+    dQ_i moves by scale * rms_i * sum_j P_ij |k_j| and dK_j by scale * sum_i P_ij rms_i |q_i|.
+    Returns {"dq", "dk", "dv"} -> the largest element of each, per unit of u (dv does not see D)."""
+    Hkv = np.shape(k)[1]
+    q, kr, vr, scale, g = _prepare(q, k, v, scale)
+    dout = np.asarray(dout, dtype=np.float64)
+    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
+    out = np.einsum("bhij,bhjd->bhid", p if z is None else p * z, vr)
+    rms = np.sqrt(np.sum((dout * out) ** 2, axis=-1, keepdims=True))          # [B, H, Nq, 1]
+    dq = abs(scale) * rms * np.einsum("bhij,bhjd->bhid", p, np.abs(kr))
+    B, _, Nk, d = kr.shape
+    dk = abs(scale) * np.einsum("bhij,bhid->bhjd", p, rms * np.abs(q)).reshape(B, Hkv, g, Nk, d).sum(2)
+    return {"dq": float(dq.max()) if dq.size else 0.0, "dk": float(dk.max()) if dk.size else 0.0, "dv": 0.0}
+
+
 def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
                 window=None, block_mask=None, philox_rounds=10) -> dict:
     """Magnitudes of the terms behind each output, for the exact-tier tolerance (sandbox/tolerance.py).
