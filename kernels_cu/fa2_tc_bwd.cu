@@ -7,6 +7,8 @@
 //   S^T = K_j Q_i^T and dP^T = V_j dO_i^T   (A: this warp's 16 keys; B: the tile's queries)
 //   dV_j += P_drop^T dO_i and dK_j += dS^T Q_i   (A: the S^T / dS^T registers, as P in the forward)
 //   dQ_i += dS K_j                          (A: dS^T through shared memory, ldmatrix.trans; atomics)
+// Pipeline: Q, dO, lse and D of the next Q tile (the work list runs over the group's query heads
+// and their non-empty tiles) are copied into the second buffer while this tile is computed.
 // Dropout replays the contract's Philox counters per element (query i, key j): word j % 4 of
 // philox(j / 4, i, b*Hq + h, offset), as the forward.
 //
@@ -44,11 +46,12 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sK = reinterpret_cast<T*>(smem_u4);   // [BC][D] swizzled
     T* sV = sK + BC * D;                      // [BC][D]
-    T* sQ = sV + BC * D;                      // [BR][D]
-    T* sdO = sQ + BR * D;                     // [BR][D]
-    T* sdS = sdO + BR * D;                    // [BC][BR] dS^T, swizzled rows of BR
-    float* sL = reinterpret_cast<float*>(sdS + BC * BR);   // [BR] lse in log2 units
-    float* sD = sL + BR;                                   // [BR] rowsum(dO o O)
+    T* sQ = sV + BC * D;                      // [2][BR][D]: two buffers, the next Q tile lands during this one
+    T* sdO = sQ + 2 * BR * D;                 // [2][BR][D]
+    T* sdS = sdO + 2 * BR * D;                // [BC][BR] dS^T, swizzled rows of BR
+    float* sL = reinterpret_cast<float*>(sdS + BC * BR);   // [2][BR] lse in log2 units
+    float* sD = sL + 2 * BR;                               // [2][BR] rowsum(dO o O)
+    constexpr unsigned QBUF = BR * D * 2;                  // bytes between the two buffers of Q (and of dO)
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
@@ -77,29 +80,49 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     int t0, t1;
     band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
 
-    for (int gi = 0; gi < group; ++gi) {
-        const int h = hk * group + gi, bh = b * Hq + h;
-        const T* Qb = Q + b * q_sb + h * q_sh;
-        const T* dOb = dO + b * do_sb + h * do_sh;
-        for (int t = t0; t <= t1; ++t) {
-            const int cls = tiles[((long long)(tile_heads == 1 ? 0 : h) * nTr + t) * nTc + tc];
-            if (cls == TILE_EMPTY) continue;
-            const int row0 = t * BR;
-            __syncthreads();                              // every warp is done with the previous Q, dO, dS^T
-            load_tile_async<T, BR, D, THREADS>(sQ, Qb, q_sm, row0, Nq, dch);
-            load_tile_async<T, BR, D, THREADS>(sdO, dOb, do_sm, row0, Nq, dch);
-            cp_async_commit();
-            for (int x = threadIdx.x; x < BR; x += THREADS) {
-                const int i = row0 + x;
-                sL[x] = i < Nq ? LSE[(long long)bh * Nq + i] * LOG2E_F : NEG_INF;
-                sD[x] = i < Nq ? Dv[(long long)bh * Nq + i] : 0.0f;
-            }
-            cp_async_wait<0>();
-            __syncthreads();
+    // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
+    auto cls_of = [&](int gi, int t) {
+        return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
+    };
+    auto advance = [&](int& gi, int& t) {        // to the next non-empty (gi, t); false past the end
+        if (t0 > t1) return false;
+        do {
+            if (++t > t1) { t = t0; if (++gi >= group) return false; }
+        } while (cls_of(gi, t) == TILE_EMPTY);
+        return true;
+    };
+    // Q, dO (cp.async), lse and D (plain loads) of work item (gi, t) into buffer `buf`
+    auto issue = [&](int gi, int t, int buf) {
+        const int h = hk * group + gi, bh = b * Hq + h, row0 = t * BR;
+        load_tile_async<T, BR, D, THREADS>(sQ + buf * BR * D, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
+        load_tile_async<T, BR, D, THREADS>(sdO + buf * BR * D, dO + b * do_sb + h * do_sh, do_sm, row0, Nq, dch);
+        for (int x = threadIdx.x; x < BR; x += THREADS) {
+            const int i = row0 + x;
+            sL[buf * BR + x] = i < Nq ? LSE[(long long)bh * Nq + i] * LOG2E_F : NEG_INF;
+            sD[buf * BR + x] = i < Nq ? Dv[(long long)bh * Nq + i] : 0.0f;
+        }
+    };
 
+    int gi = 0, t = t0 - 1, buf = 0;
+    bool have = advance(gi, t);
+    if (have) issue(gi, t, 0);
+    cp_async_commit();                                // K, V and the first Q / dO tile
+    while (have) {
+        const int cgi = gi, ct = t, cbuf = buf;
+        have = advance(gi, t);
+        cp_async_wait<0>();
+        __syncthreads();                              // this tile landed; every warp is done with the last one
+        if (have) issue(gi, t, buf ^ 1);              // the next tile flies while this one is computed
+        cp_async_commit();
+        buf ^= 1;
+        {
+            const int h = hk * group + cgi, bh = b * Hq + h, cls = cls_of(cgi, ct), row0 = ct * BR;
+            const unsigned off = cbuf * QBUF;
+            const float* cL = sL + cbuf * BR;
+            const float* cD = sD + cbuf * BR;
             float s[1][NQ][4], dp[1][NQ][4];
-            gemm_qk<T, D>(s, kq.q, kq.k);                // S^T: this warp's keys x the tile's queries
-            gemm_qk<T, D>(dp, vd.q, vd.k);               // dP^T = V dO^T
+            gemm_qk<T, D>(s, kq.q, kq.k + off);          // S^T: this warp's keys x the tile's queries
+            gemm_qk<T, D>(dp, vd.q, vd.k + off);         // dP^T = V dO^T
             const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
 #pragma unroll
             for (int n = 0; n < NQ; ++n)
@@ -107,16 +130,16 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                 for (int e = 0; e < 4; ++e) {
                     const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;          // query
                     const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);              // key
-                    const float L = sL[x];
+                    const float L = cL[x];
                     const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
                     const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L) : 0.0f;
                     float f = 1.0f;                       // Z / (1 - p) of element (i, j)
                     if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
                     s[0][n][e] = p * f;                   // P_drop^T (dV's A operand)
-                    dp[0][n][e] = p * (dp[0][n][e] * f - sD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+                    dp[0][n][e] = p * (dp[0][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
                 }
-            gemm_pv<T, D, BR>(dv, s, kq.v);              // dV += P_drop^T dO
-            gemm_pv<T, D, BR>(dk, dp, vd.v);             // dK += dS^T Q (scaled at the end)
+            gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
+            gemm_pv<T, D, BR>(dk, dp, vd.v + off);       // dK += dS^T Q (scaled at the end)
             // dS^T to shared memory (16-bit) for dQ = dS K
 #pragma unroll
             for (int n = 0; n < NQ; ++n)

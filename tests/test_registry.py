@@ -132,11 +132,26 @@ def test_tensor_core_rungs_name_their_kernels():
 
 def test_fa2_tc_occupancy_auto_follows_the_accumulators():
     from variants.fa2_tc import TCConfig
-    assert TCConfig(64, 64, 4).blocks_per_sm(64) == 3            # 32 + 32 + 96 registers
-    assert TCConfig(64, 64, 4).blocks_per_sm(128) == 2           # 64 + 32 + 96
-    assert TCConfig(128, 64, 4).blocks_per_sm(128) == 1          # 128 + 64 + 96
+    assert TCConfig(64, 64, 4, "auto").blocks_per_sm(64) == 3            # 32 + 32 + 96 registers
+    assert TCConfig(64, 64, 4, "auto").blocks_per_sm(128) == 2           # 64 + 32 + 96
+    assert TCConfig(128, 64, 4, "auto").blocks_per_sm(128) == 1          # 128 + 64 + 96
     assert TCConfig(128, 64, 8, min_blocks=2).blocks_per_sm(128) == 2
-    assert "fa2_tc_forward<__half, 64, 64, 64, 4, 3, 10, false>" == TCConfig().forward_name("float16", 64, False)
+    assert "fa2_tc_forward<__half, 64, 64, 64, 4, 3, 10, false>" == TCConfig(64, 64, 4, "auto").forward_name(
+        "float16", 64, False)
+
+
+def test_fa2_tc_auto_block_c_follows_head_dim_and_dropout():
+    """The default config: Br=128, 4 warps, Bc per (D, dropout) from TCConfig.AUTO_BC, and the tile
+    table and shared memory follow the resolved Bc."""
+    from variants.fa2_tc import TCConfig
+    c = TCConfig()
+    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 128, 4, 1, 10, false>"
+    assert c.forward_name("float16", 64, True) == "fa2_tc_forward<__half, 64, 128, 64, 4, 1, 10, true>"
+    assert c.forward_name("float16", 128, False) == "fa2_tc_forward<__half, 128, 128, 32, 4, 1, 10, false>"
+    assert c.forward_smem(64, False) == 2 * 64 * (128 + 256) and c.forward_smem(64, True) == 2 * 64 * (128 + 128)
+    unit = c.unit("float16", 64)
+    assert sorted(unit.dynamic_smem.values()) == [2 * 64 * 256, 2 * 64 * 384]
+    assert sandbox.get_variant("fa2-tc").params["block_c"] == "auto"
 
 
 def test_fa2_tc_rejects_rows_cp_async_cannot_copy():

@@ -23,6 +23,10 @@ from .fa2_tc import CAPS, CTYPE, FA2TensorCore, TCConfig
 
 @dataclass(frozen=True)
 class FA1TCConfig(TCConfig):
+    block_r: int = 128
+    block_c: int = 64
+    warps: int = 8
+    min_blocks: object = "auto"
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
         return (f"fa1_tc_forward<{CTYPE[dtype]}, {D}, {self.block_r}, {self.block_c}, {self.warps}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}>")

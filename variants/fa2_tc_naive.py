@@ -23,6 +23,9 @@ from .fa2_tc import CAPS, CTYPE, FA2TensorCore, TCConfig
 
 @dataclass(frozen=True)
 class NaiveConfig(TCConfig):
+    block_r: int = 64
+    block_c: int = 64
+    min_blocks: object = "auto"
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
         return (f"fa2_tc_naive_forward<{CTYPE[dtype]}, {D}, {self.block_r}, {self.block_c}, {self.warps}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}>")
