@@ -95,7 +95,7 @@ fn, flops = baselines.gemm_fp16(8192); t = time_fn(fn, reps=20)
 print(f'fp16 GEMM (cuBLAS via CuPy, 8192^3): {tflops(flops, t.median_ms):.1f} TFLOP/s')" 2>&1 | tee "$OUT/tc_tables.md"
 for d in ${TC_DIMS:-64 128}; do
   $PY -m bench grid --dtype float16 --headdim $d --seqlens ${TC_SEQLENS:-512,1024,2048,4096,8192,16384} \
-    --variants "${TC_VARIANTS:-fa2-tc-naive,fa2-tc,fa2-tc:block_r=128+warps=8+min_blocks=2,fa2-tc:block_r=128+block_c=32}" \
+    --variants "${TC_VARIANTS:-fa2-tc-naive,fa2-tc:block_r=64+block_c=64+min_blocks=auto,fa2-tc:warps=8+block_c=64+min_blocks=2,fa2-tc,fa2-tc:block_c=64,fa2-tc:block_c=128}" \
     --baselines flash,cudnn,math --out /tmp/tc --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -30
   { echo; cat /tmp/tc/grid_float16_d$d.md; } >> "$OUT/tc_tables.md"
 done

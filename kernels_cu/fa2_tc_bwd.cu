@@ -22,6 +22,18 @@
 
 #define LOG2E_F 1.4426950408889634f
 
+// ---- device helpers
+
+// row[0] += a, row[1] += b atomically (8-byte aligned: d and c are even); one vector atomic on sm_90.
+__device__ __forceinline__ void add_pair(float* row, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(row), make_float2(a, b));
+#else
+    atomicAdd(row, a);
+    atomicAdd(row + 1, b);
+#endif
+}
+
 // ---- kernels
 
 template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
@@ -176,10 +188,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
 #pragma unroll
                 for (int n = 0; n < ND; ++n) {
                     const int c = n * 8 + 2 * tq;
-                    if (c < d) {
-                        atomicAdd(row + c, dq[0][n][2 * hr] * scale);
-                        atomicAdd(row + c + 1, dq[0][n][2 * hr + 1] * scale);
-                    }
+                    if (c < d) add_pair(row + c, dq[0][n][2 * hr] * scale, dq[0][n][2 * hr + 1] * scale);
                 }
             }
         }

@@ -145,12 +145,12 @@ def test_fa2_tc_auto_block_c_follows_head_dim_and_dropout():
     table and shared memory follow the resolved Bc."""
     from variants.fa2_tc import TCConfig
     c = TCConfig()
-    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 128, 4, 1, 10, false>"
-    assert c.forward_name("float16", 64, True) == "fa2_tc_forward<__half, 64, 128, 64, 4, 1, 10, true>"
-    assert c.forward_name("float16", 128, False) == "fa2_tc_forward<__half, 128, 128, 32, 4, 1, 10, false>"
-    assert c.forward_smem(64, False) == 2 * 64 * (128 + 256) and c.forward_smem(64, True) == 2 * 64 * (128 + 128)
-    unit = c.unit("float16", 64)
-    assert sorted(unit.dynamic_smem.values()) == [2 * 64 * 256, 2 * 64 * 384]
+    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, 1, 10, false>"
+    assert c.forward_name("float16", 128, True) == "fa2_tc_forward<__half, 128, 128, 32, 4, 1, 10, true>"
+    assert c.forward_smem(64) == 2 * 64 * (128 + 128) and c.forward_smem(128, True) == 2 * 128 * (128 + 64)
+    wide = TCConfig(128, 128, 4, 1)
+    assert wide.bc(64, True) == 128 and wide.unit("float16", 64).dynamic_smem == {
+        wide.forward_name("float16", 64, drop): 2 * 64 * (128 + 256) for drop in (False, True)}
     assert sandbox.get_variant("fa2-tc").params["block_c"] == "auto"
 
 
