@@ -24,13 +24,15 @@
 
 // ---- device helpers
 
-// row[0] += a, row[1] += b atomically (8-byte aligned: d and c are even); one vector atomic on sm_90.
-__device__ __forceinline__ void add_pair(float* row, float a, float b) {
+// row[0..3] += v atomically (16-byte aligned: d % 8 == 0 and c % 4 == 0); one vector atomic on sm_90.
+__device__ __forceinline__ void add_quad(float* row, float4 v) {
 #if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float2*>(row), make_float2(a, b));
+    atomicAdd(reinterpret_cast<float4*>(row), v);
 #else
-    atomicAdd(row, a);
-    atomicAdd(row + 1, b);
+    atomicAdd(row, v.x);
+    atomicAdd(row + 1, v.y);
+    atomicAdd(row + 2, v.z);
+    atomicAdd(row + 3, v.w);
 #endif
 }
 
@@ -180,16 +182,18 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
                 }
             }
+            // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
+            // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
+            const bool odd = tq & 1;
+            const int i = row0 + wq + g + (odd ? 8 : 0);
+            float* row = dQ + ((long long)bh * Nq + min(i, Nq - 1)) * d + 4 * (tq / 2);
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int i = row0 + wq + g + 8 * hr;
-                if (i >= Nq) continue;
-                float* row = dQ + ((long long)bh * Nq + i) * d;
-#pragma unroll
-                for (int n = 0; n < ND; ++n) {
-                    const int c = n * 8 + 2 * tq;
-                    if (c < d) add_pair(row + c, dq[0][n][2 * hr] * scale, dq[0][n][2 * hr + 1] * scale);
-                }
+            for (int n = 0; n < ND; ++n) {
+                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
+                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
+                const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
+                                     : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
+                if (i < Nq && n * 8 + 4 * (tq / 2) < d) add_quad(row + n * 8, v);
             }
         }
     }
