@@ -2,7 +2,8 @@
 
 `to_backend` takes the caller's arrays to the backend's array module without copies where it can
 (CuPy and PyTorch CUDA tensors are wrapped zero-copy); `from_backend` hands results back as the
-caller's type. bf16 has no NumPy dtype: NumPy callers pass bf16 as a CuPy/PyTorch array.
+caller's type. bf16 arrays carry ml_dtypes' bfloat16 dtype on the host and in CuPy; CuPy has no
+arithmetic for it, so `to_float32`, `from_float32` and `negate` work on the 16-bit patterns.
 """
 from __future__ import annotations
 
@@ -83,3 +84,27 @@ def check_unit_stride_d(x, what: str):
 
 def element_strides(x) -> tuple[int, ...]:
     return tuple(s // x.itemsize for s in x.strides)
+
+
+# ---- 16-bit helpers that also work where the array module has no bfloat16 arithmetic (CuPy)
+
+def to_float32(x, xp):
+    """x as float32; bfloat16 via its bit pattern (the high half of a float32)."""
+    if str(x.dtype) != "bfloat16":
+        return x.astype(xp.float32)
+    return (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+
+
+def from_float32(x, dtype, xp):
+    """float32 x rounded to nearest even in `dtype`; bfloat16 through the bit pattern (NaN stays NaN)."""
+    if str(dtype) != "bfloat16":
+        return x.astype(dtype)
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
+    r = xp.where(xp.isnan(x), xp.uint16(0x7FC0), r)
+    return r.view(dtype)
+
+
+def negate(x, xp):
+    """-x for a 16-bit float array: the sign bit flipped (a contiguous copy)."""
+    return (xp.ascontiguousarray(x).view(xp.uint16) ^ xp.uint16(0x8000)).view(x.dtype)

@@ -14,6 +14,7 @@ import numpy as np
 
 from . import api, oracle, tolerance
 from .masks import BlockSparse
+from .precision import numpy_dtype
 from .registry import BoundVariant
 
 EXAMPLES = Counter()          # examples checked, per "variant/dtype/direction" (for the reports)
@@ -49,7 +50,7 @@ class Case:
     def inputs(self):
         """q, k, v, dout as NumPy arrays of the case's dtype (deterministic in data_seed)."""
         rng = np.random.default_rng(self.data_seed)
-        npdt = np.float32 if self.dtype == "float32" else np.float16
+        npdt = numpy_dtype(self.dtype)
         q = rng.standard_normal((self.B, self.Hq, self.Nq, self.d)) * self.logit_scale + self.mean
         k = rng.standard_normal((self.B, self.Hkv, self.Nk, self.d)) + self.mean
         v = rng.standard_normal((self.B, self.Hkv, self.Nk, self.d)) + self.mean

@@ -15,6 +15,19 @@ def dtype_name(x) -> str:
     return {"float": "float32", "half": "float16"}.get(name, name)
 
 
+def numpy_dtype(name: str):
+    """The NumPy dtype of a dtype name; bfloat16 is ml_dtypes' (NumPy has none)."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError as e:
+            raise RuntimeError("bfloat16 arrays need ml_dtypes (pip install ml_dtypes)") from e
+        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("float32", "float16", "float64"):
+        return np.dtype(name)
+    raise ValueError(f"unknown dtype {name!r}; expected one of {DTYPES}")
+
+
 def round_to(x, dtype: str) -> np.ndarray:
     """x rounded (to nearest even) to `dtype`, returned as float64."""
     x = np.asarray(x, dtype=np.float64)

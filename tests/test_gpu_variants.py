@@ -7,6 +7,7 @@ from hypothesis import example, given
 import sandbox
 from sandbox import fuzz, get_variant
 from sandbox.masks import BlockSparse
+from sandbox.precision import numpy_dtype
 from sandbox.registry import all_variants
 
 pytestmark = pytest.mark.gpu
@@ -74,7 +75,7 @@ def test_dropout_mask_is_bit_exact(name, dtype, rounds, store):
         pytest.skip("variant only replays the mask")
     params = {"philox_rounds": rounds, **({"dropout_store": store} if store == "packed" else {})}
     B, H, Nq, N = 2, 3, 37, 64
-    npdt = np.float32 if dtype == "float32" else np.float16
+    npdt = numpy_dtype(dtype)
     q = np.zeros((B, H, Nq, N), npdt); k = np.zeros((B, H, N, N), npdt)
     v = np.broadcast_to(np.eye(N, dtype=npdt), (B, H, N, N)).copy()
     seed, offset, p = 2**35 + 17, 5, 0.3

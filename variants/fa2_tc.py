@@ -176,7 +176,7 @@ class FA2TensorCore:
         D = d_pad(p.d)
         unit = config.backward_unit(p.dtype, D)
         name = config.backward_name(p.dtype, D, p.dropout_p > 0)
-        Dv = xp.sum(dout.astype(xp.float32) * out.astype(xp.float32), axis=-1)
+        Dv = xp.sum(arrays.to_float32(dout, xp) * arrays.to_float32(out, xp), axis=-1)
         dq = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
@@ -186,7 +186,7 @@ class FA2TensorCore:
                 lse, Dv, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), i32(p.Nq), i32(p.Nk),
                 i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p)),
                shared_mem=unit.dynamic_smem[name])
-        return dq.astype(q.dtype), dk, dv
+        return arrays.from_float32(dq, q.dtype, xp), dk, dv
 
     def forward(self, p, q, k, v, config):
         return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
@@ -198,7 +198,7 @@ class FA2TensorCore:
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
             check_alignment(x, nm, self.name)
         if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
-            k = -k               # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T); one copy of K
+            k = arrays.negate(k, xp)   # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T); one copy of K
         D = d_pad(p.d)
         unit = config.unit(p.dtype, D)
         name = config.forward_name(p.dtype, D, p.dropout_p > 0)
@@ -222,8 +222,8 @@ PARAMS = (
           "auto: from the accumulator count (TCConfig.blocks_per_sm)"),
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
 )
-CAPS = Capabilities(backward=False, dtypes=("float16",), head_dims=tuple(range(8, 129, 8)))
-CAPS_BWD = Capabilities(backward=True, dtypes=("float16",), head_dims=tuple(range(8, 129, 8)))
+CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
+CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 
 register(Variant(
     name="fa2-tc", family="fa2", backend="cuda",
