@@ -143,17 +143,16 @@ SWEPT = sorted(n for n, v in all_variants().items() if len(_param_grid(v)) > 1 a
 @pytest.mark.parametrize("name", SWEPT)
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_parameter_sweep_matches_oracle(name, direction):
-    """split x Br x Bc x warps: every combination the variant accepts is fuzzed."""
+    """split x Br x Bc x warps (x dtype): every combination the variant accepts is fuzzed."""
     from hypothesis import assume, strategies as st
     variant = all_variants()[name]
-    dtype = variant.caps.dtypes[0]
     if direction == "backward" and not variant.caps.backward:
         pytest.skip("forward-only variant")
 
     limits = fuzz.Limits(dims=(33, 40, 64))     # one padded head dim (64): one module per config
 
-    @given(st.sampled_from(_param_grid(variant)), st.data())
-    def check(params, data):
+    @given(st.sampled_from(_param_grid(variant)), st.sampled_from(variant.caps.dtypes), st.data())
+    def check(params, dtype, data):
         bound = get_variant(name, **params)
         case = data.draw(fuzz.cases(bound, dtype, limits))
         assume(_supported(bound, case))
