@@ -52,11 +52,8 @@ class Progress:
 
 def parse_variant(spec: str):
     """'fa2:split=k+block_r=16' -> (label, bound variant)."""
-    name, _, rest = spec.partition(":")
-    params = {}
-    for item in filter(None, rest.split("+")):
-        key, _, value = item.partition("=")
-        params[key] = int(value) if value.isdigit() else value
+    from sandbox.registry import parse_spec
+    name, params = parse_spec(spec)
     label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")
     return label, sandbox.get_variant(name, **params)
 

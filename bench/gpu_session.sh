@@ -34,6 +34,10 @@ sanitize() {   # tool variant [--backward] -> one verdict line
                                                    for r in sandbox.variants() if r['backend'] == 'cuda'))"); do
     sanitize memcheck "${vb%%:*}" "${vb#*:}" & sanitize racecheck "${vb%%:*}" "${vb#*:}" & wait
   done > "$OUT/sanitizer.txt"
+  # template configs with their own code paths (split-K's shared-memory reductions)
+  for spec in fa2-tc:split=k+block_r=32+block_c=64; do
+    sanitize memcheck "$spec" "" & sanitize racecheck "$spec" "" & wait
+  done >> "$OUT/sanitizer.txt"
   cat /tmp/sanitizer-*.log > "$OUT/sanitizer.log"
 ) &
 sanitizer_pid=$!
@@ -88,20 +92,22 @@ EOF
 fi
 
 if [[ $PARTS == *tc* ]]; then
-step "tensor-core grid (fp16, d = 64 and 128, FA2 paper protocol) with the fp16 GEMM ceiling"
+# TC_DIRECTIONS: forward (default) or e.g. backward,both (the backward rungs: atomic and deterministic dQ)
+TCDIR=${TC_DIRECTIONS:-forward}; TCSTEM=$([[ $TCDIR == forward ]] && echo "" || echo "_${TCDIR//,/_}")
+step "tensor-core grid (fp16, d = 64 and 128, $TCDIR, FA2 paper protocol) with the fp16 GEMM ceiling"
 $PY -c "
 from sandbox import baselines; from sandbox.timing import time_fn, tflops
 fn, flops = baselines.gemm_fp16(8192); t = time_fn(fn, reps=20)
 print(f'fp16 GEMM (cuBLAS via CuPy, 8192^3): {tflops(flops, t.median_ms):.1f} TFLOP/s')" 2>&1 | tee "$OUT/tc_tables.md"
 for d in ${TC_DIMS:-64 128}; do
   $PY -m bench grid --dtype float16 --headdim $d --seqlens ${TC_SEQLENS:-512,1024,2048,4096,8192,16384} \
-    --variants "${TC_VARIANTS:-fa2-tc-naive,fa2-tc:block_r=64+block_c=64+min_blocks=auto,fa2-tc:warps=8+block_c=64+min_blocks=2,fa2-tc,fa2-tc:block_c=64,fa2-tc:block_c=128}" \
-    --baselines flash,cudnn,math --out /tmp/tc --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -30
-  { echo; cat /tmp/tc/grid_float16_d$d.md; } >> "$OUT/tc_tables.md"
+    --directions $TCDIR --variants "${TC_VARIANTS:-fa2-tc-naive,fa2-tc:block_r=64+block_c=64+min_blocks=auto,fa2-tc:warps=8+block_c=64+min_blocks=2,fa2-tc:split=k+block_r=64+block_c=64,fa2-tc:split=k+block_r=32+block_c=64,fa2-tc,fa2-tc:block_c=64,fa2-tc:block_c=128}" \
+    --baselines ${TC_BASELINES:-flash,cudnn,math} --out /tmp/tc --reps ${GRID_REPS:-10} 2>&1 | grep -v '^\[' | tail -30
+  { echo; cat /tmp/tc/grid_float16_d$d$TCSTEM.md; } >> "$OUT/tc_tables.md"
 done
 $PY -c "
-import json, os; json.dump([{f'grid_float16_d{d}': json.load(open(f'/tmp/tc/grid_float16_d{d}.json'))} for d in (64, 128)
-                            if os.path.exists(f'/tmp/tc/grid_float16_d{d}.json')],
+import json, os; json.dump([{f'grid_float16_d{d}$TCSTEM': json.load(open(f'/tmp/tc/grid_float16_d{d}$TCSTEM.json'))} for d in (64, 128)
+                            if os.path.exists(f'/tmp/tc/grid_float16_d{d}$TCSTEM.json')],
                        open('$OUT/tc.json', 'w'), indent=1)"
 tar -czf "$OUT/tc.tgz" -C /tmp/tc .        # the family files (md, csv, json) for bench/results/<gpu>/
 fi

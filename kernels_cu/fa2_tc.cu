@@ -2,11 +2,15 @@
 //
 // Seed: FA2 paper (002) Algorithm 1 (Q-outer loop, online softmax with the rescaling of O deferred
 // to the end, logsumexp saved), Sec. 3.1 (fewer non-matmul FLOPs: exp2 with the scale folded in,
-// one division per row at the end) and Sec. 3.3 (split-Q: each warp owns 16-row slices of Q and
-// sees every key of a tile, so no inter-warp reduction).
+// one division per row at the end) and Sec. 3.3 (warp partitioning: split-Q, each warp owns 16-row
+// slices of Q and sees every key of a tile, so no inter-warp reduction; or split-K, FA1's scheme).
 //
 // Kernels (rungs of the tensor-core ladder; bench/results/ holds their measured speed)
-//   fa2_tc_forward<T, D, BR, BC, WARPS, MINB, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq), WARPS*32 threads.
+//   fa2_tc_forward<T, D, BR, BC, WARPS, SPLIT_Q, MINB, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq), WARPS*32
+//       threads. SPLIT_Q: each warp owns BR/WARPS query rows and every key of a tile. !SPLIT_Q (split-K):
+//       each warp owns all BR rows and BC/WARPS keys of every tile; the warps agree on each row's tile
+//       max through shared memory (one more barrier per tile) and add their partial O and l at the
+//       end in warp order (tc_softmax.cuh), so every warp holds BR x D accumulators.
 //       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
 //       mma.sync.m16n8k16 (fp32 accumulate); Q, K, V tiles through cp.async into XOR-swizzled
 //       shared memory (no padding, no bank conflicts) and into registers by ldmatrix (.trans for
@@ -22,13 +26,13 @@
 // and the tile that crosses Nk. Dropout: the contract's Philox counters, one call per pair of
 // columns a lane holds (element (b, h, i, j) uses word j % 4 of philox(j / 4, i, b*Hq + h, offset)).
 // Envelope (static_asserts below, ValueError in variants/fa2_tc.py): D in {64, 128} (d <= D and a
-// multiple of 8, zero-filled to D), BR / WARPS a multiple of 16, BC a multiple of 16.
+// multiple of 8, zero-filled to D); a warp's rows and keys per tile multiples of 16.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int MINB, int R, bool DROPOUT>
+template <typename T, int D, int BR, int BC, int WARPS, bool SPLIT_Q, int MINB, int R, bool DROPOUT>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
                const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
@@ -40,23 +44,30 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
                MASK_PARAMS, DROPOUT_PARAMS) {
     constexpr int THREADS = WARPS * 32;
-    constexpr int RW = BR / WARPS;      // query rows per warp
+    constexpr int RW = SPLIT_Q ? BR / WARPS : BR;   // query rows per warp
+    constexpr int CW = SPLIT_Q ? BC : BC / WARPS;   // keys per warp per tile
     constexpr int MT = RW / 16;         // m16 slices per warp
-    constexpr int NT = BC / 8;          // n8 tiles of S
+    constexpr int NT = CW / 8;          // n8 tiles of S
     constexpr int ND = D / 8;           // n8 tiles of O
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
-    static_assert(RW % 16 == 0 && BC % 16 == 0, "each warp needs 16k query rows; BC a multiple of 16");
+    static_assert(RW % 16 == 0 && CW % 16 == 0, "each warp needs 16k query rows and 16k keys per tile");
+    // shared memory: the Q, K, V tiles; split-K reuses them for the partial sums (add_split_k_partials)
+    // and keeps the warps' row maxima after them
+    constexpr int TILE_BYTES = 2 * D * (BR + 2 * BC), RED_BYTES = SPLIT_Q ? 0 : 4 * BR * (D + 8 + 4);
     extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sQ = reinterpret_cast<T*>(smem_u4);   // [BR][D] swizzled
     T* sK = sQ + BR * D;                      // [BC][D]
     T* sV = sK + BC * D;                      // [BC][D]
+    float* xm = reinterpret_cast<float*>(reinterpret_cast<char*>(smem_u4) +
+                                           (TILE_BYTES > RED_BYTES ? TILE_BYTES : RED_BYTES));   // [WARPS][BR]
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     const int tr = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y,    // last Q tiles first: causal's longest rows start early
               b = bh / Hq, h = bh % Hq, hk = h / group;
-    const int row0 = tr * BR, wrow = warp * RW, nTc = (Nk + BC - 1) / BC, dch = d / 8;
+    const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC, dch = d / 8;
+    const int wrow = SPLIT_Q ? warp * RW : 0, wcol = SPLIT_Q ? 0 : warp * CW;    // this warp's rows and keys
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
@@ -64,7 +75,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
 
-    const TileBases base = tile_bases<T, D>(sQ, sK, sV, wrow, lane);
+    const TileBases base = tile_bases<T, D>(sQ, sK + wcol * D, sV + wcol * D, wrow, lane);
 
     load_tile_async<T, BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
     if (t <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, t * BC, Nk, dch);
@@ -99,16 +110,28 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
         // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
         const int cls = trow[t];
-        if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-        online_softmax(s, m, l, o, scale_log2);
-        if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
+        if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);
+        if constexpr (SPLIT_Q) {
+            online_softmax(s, m, l, o, scale_log2);
+        } else {
+            float mx[MT][2];
+            row_max(s, mx);
+            agree_row_max<WARPS, BR>(mx, xm, warp, g, tq);   // read before the barrier below: xm is free again
+            softmax_update(s, m, l, o, mx, scale_log2);
+        }
+        if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0 + wcol, g, tq);
 
         cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)
         __syncthreads();
-        gemm_pv<T, D, BC>(o, s, base.v);             // O += P V_t, P from registers
+        gemm_pv<T, D, CW>(o, s, base.v);             // O += P V_t, P from registers
         t = next;
     }
     cp_async_wait<0>();                               // nothing may land after the block exits
+    if constexpr (!SPLIT_Q) {
+        __syncthreads();                              // every warp is done with the tiles: reuse them
+        add_split_k_partials<WARPS, BR, D>(o, l, reinterpret_cast<float*>(smem_u4), warp, g, tq);
+        if (warp != WARPS - 1) return;                // the last warp holds the whole rows
+    }
 
     write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
 }

@@ -13,8 +13,14 @@
 // philox(j / 4, i, b*Hq + h, offset), as the forward.
 //
 // Kernels
-//   fa2_tc_bwd<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nk/BC), B*Hkv), WARPS*32 threads;
-//       each warp owns BC / WARPS = 16 keys of the tile and BR / WARPS = 16 query rows of dQ.
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
+//       threads; each warp owns BC / WARPS = 16 keys of the tile and BR / WARPS = 16 query rows of
+//       dQ. Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
+//   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
+//       row-parallel like the forward (split-Q, 16 rows per warp): per K/V tile it recomputes
+//       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
+//       by ldmatrix.trans) in tile order, so every run sums in the same order. Two more GEMMs per
+//       tile than the atomic path (7 instead of 5); K and V of the next tile are copied during this one.
 // Envelope: D in {64, 128}, BC = 16 WARPS, BR = 16 WARPS, BR = 64 (the dS^T tile is swizzled in
 // rows of 64 elements).
 #include "tc_softmax.cuh"
@@ -38,7 +44,7 @@ __device__ __forceinline__ void add_quad(float* row, float4 v) {
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
+template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
@@ -46,7 +52,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
            const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
            const float* __restrict__ LSE,      // [B, Hq, Nq]
            const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
-           float* __restrict__ dQ,             // [B, Hq, Nq, d] fp32, zeroed
+           float* __restrict__ dQ,             // [B, Hq, Nq, d] fp32, zeroed (ATOMIC_DQ only)
            T* __restrict__ dK,                 // [B, Hkv, Nk, d] contiguous
            T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
            const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
@@ -154,6 +160,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                 }
             gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
             gemm_pv<T, D, BR>(dk, dp, vd.v + off);       // dK += dS^T Q (scaled at the end)
+            if constexpr (!ATOMIC_DQ) continue;          // dQ is fa2_tc_bwd_dq's
             // dS^T to shared memory (16-bit) for dQ = dS K
 #pragma unroll
             for (int n = 0; n < NQ; ++n)
@@ -213,6 +220,120 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                 *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * scale, dk[0][n][2 * hr + 1] * scale);
                 *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[0][n][2 * hr], dv[0][n][2 * hr + 1]);
             }
+        }
+    }
+}
+
+template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT>
+__global__ void __launch_bounds__(WARPS * 32, 1)
+fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
+              const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
+              const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
+              const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
+              const float* __restrict__ LSE,      // [B, Hq, Nq]
+              const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
+              T* __restrict__ dQ,                 // [B, Hq, Nq, d] contiguous
+              const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
+              int tile_heads, int Hq, int group, int Nq, int Nk, int d,
+              float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int NT = BC / 8;          // n8 tiles of S and dP (keys)
+    constexpr int ND = D / 8;           // n8 tiles of dQ
+    constexpr unsigned KVBUF = BC * D * 2;   // bytes between the two buffers of K (and of V)
+    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    static_assert(BR == 16 * WARPS && BC % 16 == 0, "16 query rows per warp; BC a multiple of 16");
+    extern __shared__ __align__(1024) uint4 smem_u4[];
+    T* sQ = reinterpret_cast<T*>(smem_u4);   // [BR][D] swizzled
+    T* sdO = sQ + BR * D;                     // [BR][D]
+    T* sK = sdO + BR * D;                     // [2][BC][D]: the next tile lands during this one
+    T* sV = sK + 2 * BC * D;                  // [2][BC][D]
+
+    const Mask mask = MASK_FROM_PARAMS;
+    const Dropout drop = DROPOUT_FROM_PARAMS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+    const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
+    const int row0 = tr * BR, wrow = warp * 16, nTc = (Nk + BC - 1) / BC, dch = d / 8;
+    const float scale_log2 = scale * LOG2E_F;
+    const T* Kb = K + b * k_sb + hk * k_sh;
+    const T* Vb = V + b * v_sb + hk * v_sh;
+    const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+    int t, t1;
+    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
+    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+
+    const TileBases qa = tile_bases<T, D>(sQ, sK, sV, wrow, lane);    // .q: Q as A, .k: K as B
+    const TileBases da = tile_bases<T, D>(sdO, sV, sK, wrow, lane);   // .q: dO as A, .k: V as B, .v: K as B^T
+
+    load_tile_async<T, BR, D, THREADS>(sQ, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
+    load_tile_async<T, BR, D, THREADS>(sdO, dO + b * do_sb + h * do_sh, do_sm, row0, Nq, dch);
+    if (t <= t1) {
+        load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, t * BC, Nk, dch);
+        load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, t * BC, Nk, dch);
+    }
+    cp_async_commit();
+
+    float L[2], Dr[2];                  // this lane's rows g and g + 8: lse (log2 units) and D
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int i = row0 + wrow + g + 8 * hr;
+        L[hr] = i < Nq ? LSE[(long long)bh * Nq + i] * LOG2E_F : NEG_INF;
+        Dr[hr] = i < Nq ? Dv[(long long)bh * Nq + i] : 0.0f;
+    }
+    float dq[1][ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
+
+    int buf = 0;
+    while (t <= t1) {
+        int next = t + 1;
+        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
+        cp_async_wait<0>();
+        __syncthreads();                              // K_t, V_t landed; every warp is done with the other buffer
+        if (next <= t1) {
+            load_tile_async<T, BC, D, THREADS>(sK + (buf ^ 1) * BC * D, Kb, k_sm, next * BC, Nk, dch);
+            load_tile_async<T, BC, D, THREADS>(sV + (buf ^ 1) * BC * D, Vb, v_sm, next * BC, Nk, dch);
+        }
+        cp_async_commit();
+        const unsigned off = buf * KVBUF;
+        float s[1][NT][4], dp[1][NT][4];
+        gemm_qk<T, D>(s, qa.q, qa.k + off);          // S = Q K_t^T
+        gemm_qk<T, D>(dp, da.q, da.k + off);         // dP = dO V_t^T
+        const int cls = trow[t], col0 = t * BC;
+        const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int i = row0 + wrow + g + 8 * hr, j = col0 + n * 8 + 2 * tq;   // j, j + 1 share a Philox word
+                uint4 w = make_uint4(0, 0, 0, 0);
+                if (DROPOUT) w = dropout_words<R>(drop, bh, i, j >> 2);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int e = 2 * hr + c;
+                    const bool vis = L[hr] != NEG_INF &&
+                                     (!masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
+                    const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L[hr]) : 0.0f;
+                    const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
+                    s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]);   // dS = P o (dP Z / (1 - p) - D)
+                }
+            }
+        gemm_pv<T, D, BC>(dq, s, da.v + off);        // dQ += dS K_t, dS from registers
+        buf ^= 1;
+        t = next;
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int i = row0 + wrow + g + 8 * hr;
+        if (i >= Nq) continue;
+        T* row = dQ + ((long long)bh * Nq + i) * d;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = n * 8 + 2 * tq;
+            if (c < d) *reinterpret_cast<unsigned*>(row + c) = Elem<T>::pack(dq[0][n][2 * hr] * scale, dq[0][n][2 * hr + 1] * scale);
         }
     }
 }

@@ -40,21 +40,55 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
             }
 }
 
-// Online softmax on raw scores: new row max m (log2 units), P = 2^(s scale_log2 - m) in place, l and O
-// rescaled by 2^(m_old - m). l holds this lane's partial row sums (quad-reduced in the epilogue).
-template <int MT, int NT, int ND>
-__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&o)[MT][ND][4], float scale_log2) {
+// The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
+// holds it); -inf where nothing is visible.
+template <int MT, int NT>
+__device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            float mx = NEG_INF;                       // raw row max over the visible keys
+            float x = NEG_INF;
 #pragma unroll
-            for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[mt][hr], mx * scale_log2);
+            for (int n = 0; n < NT; ++n) x = fmaxf(x, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
+            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+            mx[mt][hr] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+        }
+}
+
+// Split-K (warps own column slices of a tile): the warps agree on each row's tile max through
+// shared memory (`xm`: [WARPS][BR] floats), so that their partial O and l share one scale and add
+// up at the end. One __syncthreads; the caller's next barrier separates it from the next tile's writes.
+template <int WARPS, int BR, int MT>
+__device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int warp, int g, int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+            if (tq == 0) xm[warp * BR + mt * 16 + g + 8 * hr] = mx[mt][hr];
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float x = NEG_INF;
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) x = fmaxf(x, xm[w * BR + mt * 16 + g + 8 * hr]);
+            mx[mt][hr] = x;
+        }
+}
+
+// The online softmax update for a tile whose raw row max is mx: new row max m (log2 units),
+// P = 2^(s scale_log2 - m) in place, l and O rescaled by 2^(m_old - m). l holds this lane's partial
+// row sums (quad-reduced in the epilogue).
+template <int MT, int NT, int ND>
+__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&o)[MT][ND][4], const float (&mx)[MT][2], float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             const float corr = exp2_ftz(m[mt][hr] - m_use);
             float sum = 0.0f;
@@ -74,6 +108,15 @@ __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)
                 o[mt][n][2 * hr + 1] *= corr;
             }
         }
+}
+
+// Online softmax on raw scores (FA2 Algorithm 1, lines 9-10): the row max of this tile, then the update.
+template <int MT, int NT, int ND>
+__device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&o)[MT][ND][4], float scale_log2) {
+    float mx[MT][2];
+    row_max(s, mx);
+    softmax_update(s, m, l, o, mx, scale_log2);
 }
 
 // P_drop = P Z / (1 - p) (l keeps the undropped sum): element (b, h, i, j) uses word j % 4 of
@@ -118,6 +161,50 @@ __device__ __forceinline__ void write_output(const float (&o)[MT][ND][4], const 
             }
             if (tq == 0) LSE[(long long)bh * Nq + i] = sum > 0.0f ? (m[mt][hr] + log2f(sum)) * LN2 : NEG_INF;
         }
+}
+
+// Split-K epilogue: warps 0 .. WARPS-2 add their partial O and l (the same rows under the same
+// running max m) into `red` in warp order, one barrier each; the last warp adds the sum into its
+// registers, so that write_output sees whole rows. A fixed order, so deterministic. `red`: [BR][D + 8]
+// fp32 (the 8-float pad spreads a quad's rows over the banks), then [BR][4] lane partials of l.
+template <int WARPS, int BR, int D, int MT, int ND>
+__device__ __forceinline__ void add_split_k_partials(float (&o)[MT][ND][4], float (&l)[MT][2], float* red,
+                                                     int warp, int g, int tq) {
+    constexpr int LD = D + 8;
+    float* rl = red + BR * LD;
+    for (int w = 0; w < WARPS - 1; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int row = mt * 16 + g + 8 * hr;
+#pragma unroll
+                    for (int n = 0; n < ND; ++n) {
+                        float2* x = reinterpret_cast<float2*>(red + row * LD + n * 8 + 2 * tq);
+                        const float2 prev = w == 0 ? make_float2(0.0f, 0.0f) : *x;
+                        *x = make_float2(prev.x + o[mt][n][2 * hr], prev.y + o[mt][n][2 * hr + 1]);
+                    }
+                    rl[row * 4 + tq] = (w == 0 ? 0.0f : rl[row * 4 + tq]) + l[mt][hr];
+                }
+        }
+        __syncthreads();
+    }
+    if (warp == WARPS - 1) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int row = mt * 16 + g + 8 * hr;
+#pragma unroll
+                for (int n = 0; n < ND; ++n) {
+                    const float2 x = *reinterpret_cast<const float2*>(red + row * LD + n * 8 + 2 * tq);
+                    o[mt][n][2 * hr] += x.x;
+                    o[mt][n][2 * hr + 1] += x.y;
+                }
+                l[mt][hr] += rl[row * 4 + tq];
+            }
+    }
 }
 
 // Two C fragments side by side (columns 16 kk .. 16 kk + 15 of P) packed into one A fragment.

@@ -16,7 +16,7 @@ import sys
 from . import api, fuzz, oracle, tolerance
 from .device import cupy_or_none, device_name, has_gpu
 from .problem import make_problem
-from .registry import all_variants, get_variant, variants
+from .registry import all_variants, get_variant, parse_spec, variants
 
 
 def _table(header, rows) -> str:
@@ -34,16 +34,18 @@ def _mode_line() -> str:
 
 
 def _chosen(names, need_gpu_backend=True):
+    """Variant specs ('name' or 'name:key=value+...') from --variants, those this machine can run."""
     registry = all_variants()
     picked = names.split(",") if names else sorted(registry)
     for n in picked:
-        if n not in registry:
+        if parse_spec(n)[0] not in registry:
             raise SystemExit(f"unknown variant {n!r}; registered: {sorted(registry)}")
+    backend = lambda spec: registry[parse_spec(spec)[0]].backend  # noqa: E731
     if not has_gpu():
-        picked = [n for n in picked if registry[n].backend == "numba"]
+        picked = [n for n in picked if backend(n) == "numba"]
     elif cupy_or_none() is None:
         print("CuPy is not installed: skipping the CUDA variants (pip install -e .[cuda13])", file=sys.stderr)
-        picked = [n for n in picked if registry[n].backend != "cuda"]
+        picked = [n for n in picked if backend(n) != "cuda"]
     return picked
 
 
@@ -68,7 +70,8 @@ def cmd_run(args):
     B, H, N, d = (args.batch, args.heads, args.seqlen, args.headdim) if gpu else (1, 2, 16, 8)
     rows, records = [], []
     for name in _chosen(args.variants):
-        bound = get_variant(name)
+        vname, params = parse_spec(name)
+        bound = get_variant(vname, **params)
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
             case = fuzz.Case(B, H, H, N, N, d, dtype, {"causal": args.causal}, 0)
             q, k, v, dout = case.inputs()
@@ -116,7 +119,8 @@ def cmd_fuzz(args):
     limits = fuzz.Limits() if has_gpu() else fuzz.Limits.simulator()
     failures = 0
     for name in _chosen(args.variants):
-        bound = get_variant(name)
+        vname, params = parse_spec(name)
+        bound = get_variant(vname, **params)
         dirs = ["forward", "backward"] if bound.variant.caps.backward else ["forward"]
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
             for direction in (dirs if args.direction == "both" else [args.direction]):

@@ -157,6 +157,17 @@ def get_variant(name, **params) -> BoundVariant:
     return _REGISTRY[name].bind(**params)
 
 
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """'fa2-tc:split=k+block_r=32' -> ('fa2-tc', {'split': 'k', 'block_r': 32}): a variant and its
+    parameters in one token (the CLI's --variants and the benchmark tables take these)."""
+    name, _, rest = spec.partition(":")
+    params = {}
+    for item in filter(None, rest.split("+")):
+        key, _, value = item.partition("=")
+        params[key] = int(value) if value.isdigit() else value
+    return name, params
+
+
 def variants() -> list[dict]:
     """Registered variants with family, backend, tiers, parameters and capabilities."""
     rows = []

@@ -161,11 +161,28 @@ def test_parameter_sweep_matches_oracle(name, direction):
     check()
 
 
+@pytest.mark.parametrize("spec", ["fa2-tc:split=k+block_r=32+block_c=64", "fa2-tc:split=k+block_r=32+block_c=128"])
+def test_split_k_at_head_dim_128_matches_oracle(spec):
+    """The sweep runs at d <= 64; split-K's d = 128 configs (Br = 32: 128 accumulators per lane) here."""
+    from hypothesis import strategies as st
+    from sandbox.registry import parse_spec
+    name, params = parse_spec(spec)
+    bound = get_variant(name, **params)
+
+    @given(st.sampled_from(bound.variant.caps.dtypes), st.data())
+    def check(dtype, data):
+        case = data.draw(fuzz.cases(bound, dtype, fuzz.Limits(dims=(72, 128))))
+        fuzz.assert_case(bound, case, "forward")
+
+    check()
+
+
 # fa1: one block per (batch, K/V head) walks every tile in a fixed order (no atomics).
 @pytest.mark.parametrize("name", sorted(n for n in all_variants() if "deterministic" in n or n == "fa1"))
 def test_deterministic_backward_is_bitwise_reproducible(name):
     rng = np.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in
+    dt = numpy_dtype(all_variants()[name].caps.dtypes[0])
+    q, k, v, dout = (rng.standard_normal(s).astype(dt) for s in
                      ((2, 4, 300, 64), (2, 2, 280, 64), (2, 2, 280, 64), (2, 4, 300, 64)))
     res = sandbox.forward(q, k, v, variant=name, causal=True, dropout_p=0.2, seed=3)
     first = [np.asarray(g) for g in sandbox.backward(dout, res)]

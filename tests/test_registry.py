@@ -136,7 +136,7 @@ def test_fa2_tc_occupancy_auto_follows_the_accumulators():
     assert TCConfig(64, 64, 4, "auto").blocks_per_sm(128) == 2           # 64 + 32 + 96
     assert TCConfig(128, 64, 4, "auto").blocks_per_sm(128) == 1          # 128 + 64 + 96
     assert TCConfig(128, 64, 8, min_blocks=2).blocks_per_sm(128) == 2
-    assert "fa2_tc_forward<__half, 64, 64, 64, 4, 3, 10, false>" == TCConfig(64, 64, 4, "auto").forward_name(
+    assert "fa2_tc_forward<__half, 64, 64, 64, 4, true, 3, 10, false>" == TCConfig(64, 64, 4, "auto").forward_name(
         "float16", 64, False)
 
 
@@ -145,13 +145,44 @@ def test_fa2_tc_auto_block_c_follows_head_dim_and_dropout():
     table and shared memory follow the resolved Bc."""
     from variants.fa2_tc import TCConfig
     c = TCConfig()
-    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, 1, 10, false>"
-    assert c.forward_name("float16", 128, True) == "fa2_tc_forward<__half, 128, 128, 32, 4, 1, 10, true>"
+    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, true, 1, 10, false>"
+    assert c.forward_name("float16", 128, True) == "fa2_tc_forward<__half, 128, 128, 32, 4, true, 1, 10, true>"
     assert c.forward_smem(64) == 2 * 64 * (128 + 128) and c.forward_smem(128, True) == 2 * 128 * (128 + 64)
     wide = TCConfig(128, 128, 4, 1)
     assert wide.bc(64, True) == 128 and wide.unit("float16", 64).dynamic_smem == {
         wide.forward_name("float16", 64, drop): 2 * 64 * (128 + 256) for drop in (False, True)}
     assert sandbox.get_variant("fa2-tc").params["block_c"] == "auto"
+
+
+def test_fa2_tc_split_k_geometry():
+    """split='k': each warp owns all Br rows and Bc / warps keys; auto Bc gives each warp 16 keys, the
+    accumulator budget bounds Br by d, and shared memory holds the partial sums and row maxima."""
+    from variants.fa2_tc import TCConfig
+    k = TCConfig(32, "auto", 4, split="k")
+    assert k.bc(128) == 64 and k.warp_tile(128) == (32, 16)
+    assert k.forward_name("float16", 128, False) == "fa2_tc_forward<__half, 128, 32, 64, 4, false, 1, 10, false>"
+    assert k.forward_smem(128) == max(2 * 128 * (32 + 128), 4 * 32 * (128 + 12)) + 4 * 4 * 32
+    assert TCConfig(64, 64, 4, split="k").envelope_errors(64) == []
+    assert "lower block_r" in TCConfig(64, 64, 4, split="k").envelope_errors(128)[0]
+    assert "multiple of 16" in TCConfig(32, 32, 4, split="k").envelope_errors(64)[0]     # 8 keys per warp
+    assert "'q' or 'k'" in TCConfig(split="x").envelope_errors(64)[0]
+    q, k_, v = qkv(d=128, dtype=np.float16)
+    with pytest.raises(ValueError, match="lower block_r"):
+        sandbox.get_variant("fa2-tc", split="k", block_r=64).check(sandbox.problem.make_problem(q, k_, v))
+
+
+def test_fa2_tc_deterministic_backward_names_its_kernels():
+    """fa2-tc-deterministic: the column kernel without atomics plus the row-parallel dQ kernel, in one
+    module; fa2-tc's module holds the atomic column kernel only."""
+    atomic = sandbox.get_variant("fa2-tc").config.backward_unit("float16", 64)
+    det = sandbox.get_variant("fa2-tc-deterministic").config.backward_unit("bfloat16", 128)
+    assert atomic.names == ("fa2_tc_bwd<__half, 64, 64, 64, 4, 10, false, true>",
+                            "fa2_tc_bwd<__half, 64, 64, 64, 4, 10, true, true>")
+    assert det.names == ("fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 10, false, false>",
+                         "fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 10, true, false>",
+                         "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, false>",
+                         "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, true>")
+    assert det.dynamic_smem[det.names[2]] == 2 * 128 * (2 * 64 + 4 * 64)
 
 
 def test_fa2_tc_rejects_rows_cp_async_cannot_copy():

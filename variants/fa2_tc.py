@@ -48,6 +48,8 @@ class TCConfig:
     warps: int = 4
     min_blocks: object = 1
     philox_rounds: int = 10
+    split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
+    deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -56,12 +58,21 @@ class TCConfig:
     AUTO_BC = {(64, False): 64, (64, True): 64, (128, False): 32, (128, True): 32}
 
     def bc(self, D: int, dropout: bool = False) -> int:
-        """Bc of the kernel for head dim D (padded) and the dropout switch."""
-        return self.AUTO_BC[(D, dropout)] if self.block_c == "auto" else self.block_c
+        """Bc of the kernel for head dim D (padded) and the dropout switch; split-K's auto gives each
+        warp at least 16 keys."""
+        if self.block_c != "auto":
+            return self.block_c
+        return self.AUTO_BC[(D, dropout)] if self.split == "q" else max(self.AUTO_BC[(D, dropout)], 16 * self.warps)
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
         return (f"fa2_tc_forward<{CTYPE[dtype]}, {D}, {self.block_r}, {self.bc(D, dropout)}, {self.warps}, "
-                f"{self.blocks_per_sm(D, dropout)}, {self.philox_rounds}, {'true' if dropout else 'false'}>")
+                f"{'true' if self.split == 'q' else 'false'}, {self.blocks_per_sm(D, dropout)}, {self.philox_rounds}, "
+                f"{'true' if dropout else 'false'}>")
+
+    def warp_tile(self, D: int, dropout: bool = False) -> tuple[int, int]:
+        """(query rows, keys per tile) of one warp: split-Q divides the rows, split-K the keys."""
+        bc = self.bc(D, dropout)
+        return (self.block_r // self.warps, bc) if self.split == "q" else (self.block_r, bc // self.warps)
 
     # Registers a thread needs beyond its accumulators (addresses, loop state, fragments in flight):
     # about 96 in the compile reports of this kernel (NVRTC 13, sm_90).
@@ -72,28 +83,44 @@ class TCConfig:
         accumulators plus OVERHEAD_REGS (e.g. D=64, Br=64, 4 warps: 32 + 32 + 96 = 160 -> 3 blocks)."""
         if self.min_blocks != "auto":
             return self.min_blocks
-        rows = self.block_r // self.warps
-        need = rows * (D + self.bc(D, dropout)) // 32 + self.OVERHEAD_REGS      # O and S floats per lane
+        rows, cols = self.warp_tile(D, dropout)
+        need = rows * (D + cols) // 32 + self.OVERHEAD_REGS      # O and S floats per lane
         return max(1, min(4, 65536 // (32 * self.warps * need)))
 
     def forward_smem(self, D: int, dropout: bool = False) -> int:
-        return ITEMSIZE * D * (self.block_r + 2 * self.bc(D, dropout))        # Q, K, V tiles
+        """Q, K, V tiles; split-K reuses them for its partial sums ([Br][D + 8] O and [Br][4] l, fp32)
+        and adds the warps' row maxima ([warps][Br] fp32), as kernels_cu/fa2_tc.cu lays them out."""
+        tiles = ITEMSIZE * D * (self.block_r + 2 * self.bc(D, dropout))
+        if self.split == "q":
+            return tiles
+        return max(tiles, 4 * self.block_r * (D + 8 + 4)) + 4 * self.warps * self.block_r
 
     # backward geometry: fixed (kernels_cu/fa2_tc_bwd.cu: 16 keys and 16 query rows per warp)
     BWD_BR, BWD_BC, BWD_WARPS = 64, 64, 4
 
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
+        """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
         return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {self.BWD_BR}, {self.BWD_BC}, {self.BWD_WARPS}, "
+                f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
+
+    def dq_name(self, dtype: str, D: int, dropout: bool) -> str:
+        """The deterministic backward's row-parallel dQ kernel."""
+        return (f"fa2_tc_bwd_dq<{CTYPE[dtype]}, {D}, {self.BWD_BR}, {self.BWD_BC}, {self.BWD_WARPS}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}>")
 
     def backward_smem(self, D: int) -> int:
         br, bc = self.BWD_BR, self.BWD_BC
         return ITEMSIZE * (2 * bc * D + 4 * br * D + bc * br) + 4 * 4 * br   # K, V, 2x (Q, dO), dS^T; 2x (lse, D)
 
+    def dq_smem(self, D: int) -> int:
+        return ITEMSIZE * D * (2 * self.BWD_BR + 4 * self.BWD_BC)              # Q, dO, 2x (K, V)
+
     def backward_unit(self, dtype: str, D: int) -> CompileUnit:
-        names = tuple(self.backward_name(dtype, D, drop) for drop in (False, True))
-        return CompileUnit("fa2_tc_bwd.cu", names, cuda_options(), {n: self.backward_smem(D) for n in names},
-                           label=f"fa2-tc-bwd[{dtype}, D={D}]")
+        smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in (False, True)}
+        if self.deterministic:
+            smem.update({self.dq_name(dtype, D, drop): self.dq_smem(D) for drop in (False, True)})
+        return CompileUnit("fa2_tc_bwd.cu", tuple(smem), cuda_options(), smem,
+                           label=f"fa2-tc-bwd[{dtype}, D={D}{', deterministic' if self.deterministic else ''}]")
 
     def unit(self, dtype: str, D: int) -> CompileUnit:
         """Both dropout switches in one module (the no-dropout kernel carries no Philox code)."""
@@ -102,11 +129,24 @@ class TCConfig:
                            {n: self.forward_smem(D, drop) for n, drop in zip(names, (False, True))},
                            label=f"fa2-tc[{dtype}, D={D}]")
 
+    # split-K: every warp holds Br x D accumulators; past 128 floats per lane the kernel spills
+    MAX_O_REGS = 128
+
     def envelope_errors(self, D: int) -> list[str]:
         errs = []
-        if self.block_r % (16 * self.warps):
-            errs.append(f"block_r={self.block_r} with warps={self.warps} gives {self.block_r / self.warps:g} rows "
-                        "per warp; the m16n8k16 tiles need a multiple of 16")
+        if self.split not in ("q", "k"):
+            errs.append(f"split={self.split!r}: 'q' or 'k'")
+            return errs
+        for drop in (False, True):
+            rows, cols = self.warp_tile(D, drop)
+            if rows % 16 or cols % 16:
+                errs.append(f"split={self.split!r}, block_r={self.block_r}, block_c={self.bc(D, drop)}, "
+                            f"warps={self.warps} gives each warp {rows} rows x {cols} keys; the m16n8k16 tiles need "
+                            "each to be a multiple of 16")
+                break
+        if self.split == "k" and self.block_r * D // 32 > self.MAX_O_REGS:
+            errs.append(f"split='k' keeps block_r x d = {self.block_r} x {D} accumulators in every warp "
+                        f"({self.block_r * D // 32} registers per lane, limit {self.MAX_O_REGS}): lower block_r")
         smem = max(self.forward_smem(D, drop) for drop in (False, True))
         if smem > SMEM_LIMIT:
             errs.append(f"shared memory {smem} B exceeds {SMEM_LIMIT} B")
@@ -128,8 +168,13 @@ def check_alignment(x, name, variant="fa2-tc"):
 class FA2TensorCore:
     name = "fa2-tc"
 
-    def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10):
-        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds)
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic
+        if deterministic:
+            self.name = "fa2-tc-deterministic"
+
+    def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q"):
+        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -144,10 +189,12 @@ class FA2TensorCore:
     def report_configs(self):
         return [{}, {"block_c": 64}, {"block_c": 128}, {"block_r": 64, "block_c": 64, "min_blocks": "auto"},
                 {"block_r": 64, "block_c": 64, "min_blocks": 2}, {"warps": 8, "block_c": 64, "min_blocks": "auto"},
-                {"warps": 8, "block_c": 64, "min_blocks": 2}]
+                {"warps": 8, "block_c": 64, "min_blocks": 2}, {"split": "k", "block_r": 64, "block_c": 64},
+                {"split": "k", "block_r": 32, "block_c": 64}]
 
     # Configs whose compile report shows no spills at D = 64 and 128: the CI check holds them to it.
-    TUNED = {(128, "auto", 4, 1), (64, 64, 4, "auto"), (64, 64, 4, 2), (128, 64, 8, "auto")}
+    TUNED = {(128, "auto", 4, 1, "q"), (64, 64, 4, "auto", "q"), (64, 64, 4, 2, "q"), (128, 64, 8, "auto", "q"),
+             (64, 64, 4, 1, "k"), (32, 64, 4, 1, "k")}
 
     # The backward has one geometry (TCConfig.BWD_*); at D = 128 it spills 40-96 bytes (255 registers:
     # dK and dV accumulators alone take 128), so it is reported and not marked tuned.
@@ -156,7 +203,7 @@ class FA2TensorCore:
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source == "fa2_tc_bwd.cu":
             return self.BWD_TUNED
-        return (config.block_r, config.block_c, config.warps, config.min_blocks) in self.TUNED
+        return (config.block_r, config.block_c, config.warps, config.min_blocks, config.split) in self.TUNED
 
     def compile_units(self, config):
         """The forward units of `config`; the backward's (one geometry) with the default config only."""
@@ -168,25 +215,34 @@ class FA2TensorCore:
     has_backward = True
 
     def backward(self, p, dout, q, k, v, out, lse, config):
-        """FA2 Algorithm 2: D = rowsum(dO o O) (CuPy, fp32), then one block per K/V tile with dQ by
-        fp32 atomics, cast to the input dtype at the end."""
+        """FA2 Algorithm 2: D = rowsum(dO o O) (CuPy, fp32), then one block per K/V tile. dQ: fp32
+        atomics cast to the input dtype at the end, or with `deterministic` a row-parallel dQ kernel
+        that adds the K/V tiles in a fixed order (and the column kernel leaves dQ alone)."""
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
             check_alignment(x, nm, self.name)
-        D = d_pad(p.d)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
         unit = config.backward_unit(p.dtype, D)
-        name = config.backward_name(p.dtype, D, p.dropout_p > 0)
+        name = config.backward_name(p.dtype, D, dropout)
         Dv = xp.sum(arrays.to_float32(dout, xp) * arrays.to_float32(out, xp), axis=-1)
-        dq = xp.zeros((p.B, p.Hq, p.Nq, p.d), dtype=xp.float32)
+        # the atomic path accumulates in fp32; the deterministic column kernel never reads its dQ
+        dq = xp.zeros((p.B, p.Hq, p.Nq, p.d) if not config.deterministic else (1,), dtype=xp.float32)
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         tiles, tile_heads = tile_table(p, config.BWD_BR, config.BWD_BC, xp)
+        operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
+        rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p))
         launch(unit, name, (-(-p.Nk // config.BWD_BC), p.B * p.Hkv), (32 * config.BWD_WARPS,),
-               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3],
-                lse, Dv, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), i32(p.Nq), i32(p.Nk),
-                i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p)),
+               (*operands, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), *rest),
                shared_mem=unit.dynamic_smem[name])
-        return arrays.from_float32(dq, q.dtype, xp), dk, dv
+        if not config.deterministic:
+            return arrays.from_float32(dq, q.dtype, xp), dk, dv
+        dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
+        name = config.dq_name(p.dtype, D, dropout)
+        launch(unit, name, (-(-p.Nq // config.BWD_BR), p.B * p.Hq), (32 * config.BWD_WARPS,),
+               (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest),
+               shared_mem=unit.dynamic_smem[name])
+        return dq, dk, dv
 
     def forward(self, p, q, k, v, config):
         return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
@@ -213,7 +269,7 @@ class FA2TensorCore:
         return out, lse
 
 PARAMS = (
-    Param("block_r", (64, 128), 128, "Br: query rows per thread block"),
+    Param("block_r", (32, 64, 128), 128, "Br: query rows per thread block"),
     Param("block_c", ("auto", 32, 64, 128), "auto", "Bc: keys per K/V tile; auto: per head dim and dropout "
           "(TCConfig.AUTO_BC)"),
     Param("warps", (4, 8), 4, "warps per thread block (Br / warps rows each, a multiple of 16)"),
@@ -221,6 +277,10 @@ PARAMS = (
           "(__launch_bounds__): fewer registers, more warps in flight, spills past the kernel's need; "
           "auto: from the accumulator count (TCConfig.blocks_per_sm)"),
     Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+    Param("split", ("q", "k"), "q", "warp partitioning (FA2 paper Sec. 3.3): q, each warp owns Br / warps rows "
+          "and every key of a tile; k, each warp owns all Br rows and Bc / warps keys, the warps agree on "
+          "row maxima through shared memory every tile and add partial outputs at the end (Br x d "
+          "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
@@ -230,3 +290,9 @@ register(Variant(
     description="FA2 forward on tensor cores: mma.sync m16n8k16, ldmatrix, swizzled smem, cp.async overlap",
     impl=FA2TensorCore(), params=PARAMS, caps=CAPS_BWD,
     seed_ref="FA2 paper Algorithm 1, Sec. 3.1 and 3.3"))
+
+register(Variant(
+    name="fa2-tc-deterministic", family="fa2", backend="cuda",
+    description="fa2-tc with a deterministic backward: dK / dV column kernel plus a row-parallel dQ kernel, no atomics",
+    impl=FA2TensorCore(deterministic=True), params=PARAMS, caps=CAPS_BWD,
+    seed_ref="FA2 paper Algorithm 1 and 2, Sec. 3.3"))
