@@ -18,9 +18,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv |
 $PY -c "import cupy, numba, numpy; print('cupy', cupy.__version__, 'numba', numba.__version__, 'numpy', numpy.__version__)" | tee -a "$OUT/device.txt"
 
 if [[ $PARTS == *tests* ]]; then
-step "compile report (NVRTC, sm_90; sm_80 is CI's), in the background"
-( $PY -m sandbox compile-report --arch sm_90 > "$OUT/compile.md" 2>&1; echo "rc=$?" >> "$OUT/compile.md" ) &
-compile_pid=$!
+# The compile report (registers, spills, shared memory for sm_80 and sm_90) is CI's: NVRTC through
+# cuda.bindings on this image returns empty ptxas logs (seen at 945516e and 1cd78c6).
 
 step "compute-sanitizer memcheck + racecheck, one small case per CUDA variant, in the background"
 sanitize() {   # tool variant [--backward] -> one verdict line
@@ -57,8 +56,8 @@ for part in glob.glob('/tmp/fuzz/fuzz.json.*'):
         counts[key] = counts.get(key, 0) + n
 json.dump({'total': sum(counts.values()), 'by_variant': counts}, open(sys.argv[1], 'w'), indent=1)
 " "$OUT/fuzz.json"
-wait $compile_pid $sanitizer_pid
-tail -2 "$OUT/compile.md"; cat "$OUT/sanitizer.txt"
+wait $sanitizer_pid
+cat "$OUT/sanitizer.txt"
 
 fi
 

@@ -49,12 +49,12 @@ lines += [f"- FAILED {f}" for f in failed]
 verdicts = read("sanitizer.txt") or "\n".join(   # one verdict line per tool and variant
     l for l in read("sanitizer.log").splitlines() if re.match(r"(memcheck|racecheck) \S+ (--\w+ )?rc=", l))
 lines += ["", "## Sanitizer", "", "```", verdicts.strip(), "```", ""]
-comp = read("compile.md")
-lines += ["## Compile report (sm_90)", "", comp.strip().splitlines()[-2] if comp.strip() else "", ""]
 table = [l if l.startswith("|") else "\n" + l + "\n" for l in read("bench.md").splitlines()
          if l.startswith("|") or l.startswith("problem:")]
-lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
-lines += ["## Tables (exact-tier grid, softmax)", "", read("tables.md").strip(), ""]
+if table:
+    lines += ["## Benchmark (forward, fp16 baselines: PyTorch SDPA)", "", *table, ""]
+if read("tables.md"):
+    lines += ["## Tables (exact-tier grid, softmax)", "", read("tables.md").strip(), ""]
 print("\n".join(lines))
 
 

@@ -1,5 +1,7 @@
 """GPU suite: every registered variant against the oracle (Hypothesis), explicit awkward cases,
 dropout masks extracted bit for bit, and array interop. Run with `pytest -m gpu` on a GPU machine."""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import example, given
@@ -14,6 +16,9 @@ pytestmark = pytest.mark.gpu
 
 PAIRS = [(n, dt, direction) for n, v in sorted(all_variants().items()) for dt in v.caps.dtypes
          for direction in (("forward", "backward") if v.caps.backward else ("forward",))]
+# GPU_SHARDS=k runs each pair as k independent tests (GPU_EXAMPLES random examples each), so that
+# pytest-xdist keeps every core busy when the pairs are fewer than the workers
+SHARDS = range(int(os.environ.get("GPU_SHARDS", "1")))
 
 
 def awkward(dtype, d):
@@ -30,8 +35,9 @@ def awkward(dtype, d):
     ]
 
 
+@pytest.mark.parametrize("shard", SHARDS)
 @pytest.mark.parametrize("name,dtype,direction", PAIRS)
-def test_variant_matches_oracle(name, dtype, direction):
+def test_variant_matches_oracle(name, dtype, direction, shard):
     bound = get_variant(name)
     d = 64 if 64 in bound.variant.caps.head_dims else bound.variant.caps.head_dims[-1]
 
