@@ -59,25 +59,25 @@ print("\n".join(lines))
 
 
 def grid_ratios(rows, gemm=None):
-    """Ratios read off the grid: each variant against SDPA's backends (same N, same causal), the
-    causal speed-up in time, split-Q over split-K. Ratios of fp32 kernels to fp16 baselines say how
+    """Ratios read off the grid: each variant against SDPA's backends (same N, causal and direction),
+    the causal speed-up in time, split-Q over split-K. Ratios of fp32 kernels to fp16 baselines say how
     far the exact tier is from the tensor-core one, not a like-for-like contest."""
     rows = rows["rows"] if isinstance(rows, dict) else rows        # a family JSON (bench/common.py) or bare rows
-    rows = [r for r in rows if r.get("direction", "forward") == "forward"]
-    by = {(r["variant"], r["N"], r["causal"]): r for r in rows if r.get("ms")}
+    key = lambda r: (r["variant"], r["N"], r["causal"], r.get("direction", "forward"))  # noqa: E731
+    by = {key(r): r for r in rows if r.get("ms")}
     variants = [v for v in dict.fromkeys(r["variant"] for r in rows) if "sdpa" not in v]
-    out = ["| variant | causal | N | TFLOP/s | / sdpa-flash | / sdpa-cudnn | / sdpa-math | causal speed-up (time) |"
-           + (" % of fp16 GEMM |" if gemm else ""), "|---|---|---|---|---|---|---|---|" + ("---|" if gemm else "")]
+    out = ["| variant | direction | causal | N | TFLOP/s | / sdpa-flash | / sdpa-cudnn | / sdpa-math | causal speed-up (time) |"
+           + (" % of fp16 GEMM |" if gemm else ""), "|---|---|---|---|---|---|---|---|---|" + ("---|" if gemm else "")]
     for v in variants:
-        for (vv, n, c), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        for (vv, n, c, dr), r in sorted(by.items(), key=lambda kv: (kv[0][3], kv[0][2], kv[0][1])):
             if vv != v:
                 continue
-            base = {b: by.get((f"sdpa-{b} (fp16)", n, c)) for b in ("flash", "cudnn", "math")}
+            base = {b: by.get((f"sdpa-{b} (fp16)", n, c, dr)) for b in ("flash", "cudnn", "math")}
             ratio = [f"{r['tflops'] / base[b]['tflops']:.3f}" if base[b] else "-" for b in base]
-            nc = by.get((v, n, False))
+            nc = by.get((v, n, False, dr))
             speed = f"{nc['ms'] / r['ms']:.2f}x" if c and nc else ""
-            out.append(f"| {v} | {'yes' if c else 'no'} | {n} | {r['tflops']:.2f} | " + " | ".join(ratio) + f" | {speed} |"
-                       + (f" {100 * r['tflops'] / gemm:.0f}% |" if gemm else ""))
+            out.append(f"| {v} | {dr} | {'yes' if c else 'no'} | {n} | {r['tflops']:.2f} | " + " | ".join(ratio)
+                       + f" | {speed} |" + (f" {100 * r['tflops'] / gemm:.0f}% |" if gemm else ""))
     return out
 
 
@@ -95,7 +95,7 @@ if read("tc_tables.md"):       # the tensor-core part (PARTS=tc): its tables, th
     tc = read("tc_tables.md")
     m = re.search(r"fp16 GEMM .*?: ([\d.]+) TFLOP/s", tc)
     gemm = float(m.group(1)) if m else None
-    print("\n## Tensor-core tier (fp16 forward)\n")
+    print("\n## Tensor-core tier (fp16)\n")
     print(tc.strip())
     for entry in json.loads(read("tc.json") or "[]"):
         for name, rows in entry.items():
