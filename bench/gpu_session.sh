@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU machine: compile report, the GPU test suite (Hypothesis over every variant),
+# One call on a GPU machine: the GPU test suite (Hypothesis over every variant),
 # compute-sanitizer on a small case per CUDA variant, the benchmark, and a summary printed last.
 # Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> [PARTS=tests|bench|tc|families] bash bench/gpu_session.sh
 # (one device call holds 10 minutes: run PARTS=tests and PARTS=bench as two calls when both do not fit;
