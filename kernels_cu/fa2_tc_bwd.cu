@@ -13,16 +13,17 @@
 // philox(j / 4, i, b*Hq + h, offset), as the forward.
 //
 // Kernels
-//   fa2_tc_bwd<T, D, BR, BC, WARPS, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
-//       threads; each warp owns BC / WARPS = 16 keys of the tile and BR / WARPS = 16 query rows of
-//       dQ. Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
+//       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and 16 query rows of dQ
+//       (BR = 16 WARPS). MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
+//       (each fragment feeds two m16 key tiles) at the price of twice the dK, dV accumulators.
+//       Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
 //   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
 //       row-parallel like the forward (split-Q, 16 rows per warp): per K/V tile it recomputes
 //       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
 //       by ldmatrix.trans) in tile order, so every run sums in the same order. Two more GEMMs per
 //       tile than the atomic path (7 instead of 5); K and V of the next tile are copied during this one.
-// Envelope: D in {64, 128}, BC = 16 WARPS, BR = 16 WARPS, BR = 64 (the dS^T tile is swizzled in
-// rows of 64 elements).
+// Envelope: D in {64, 128}, BR in {32, 64} (the dS^T tile's swizzle, ds_chunk below).
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 
@@ -42,9 +43,18 @@ __device__ __forceinline__ void add_quad(float* row, float4 v) {
 #endif
 }
 
+// Swizzled 16-byte chunk of (row, chunk) in the [BC][BR] dS^T tile: rows of 8 chunks (BR = 64) as
+// swizzle<>: chunk ^ (row % 8); rows of 4 chunks (BR = 32, two rows per 128-byte line): chunk ^
+// ((row / 2) % 4). Either way the 8 rows an ldmatrix phase reads hit 8 different 16-byte bank groups.
+template <int BR>
+__device__ __forceinline__ int ds_chunk(int row, int chunk) {
+    static_assert(BR == 32 || BR == 64, "dS^T rows of 4 or 8 chunks");
+    return BR == 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+}
+
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int R, bool DROPOUT, bool ATOMIC_DQ>
+template <typename T, int D, int BR, int BC, int WARPS, int MK, int R, bool DROPOUT, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPS * 32, 1)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
@@ -62,7 +72,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     constexpr int NQ = BR / 8;          // n8 tiles of S^T (queries)
     constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
-    static_assert(BC == 16 * WARPS && BR == 16 * WARPS && BR == 64, "16 keys and 16 query rows per warp; BR = 64");
+    static_assert(BC == 16 * MK * WARPS && BR == 16 * WARPS, "16 MK keys and 16 query rows per warp");
     extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sK = reinterpret_cast<T*>(smem_u4);   // [BC][D] swizzled
     T* sV = sK + BC * D;                      // [BC][D]
@@ -77,7 +87,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, r7 = lane & 7;
     const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
-    const int col0 = tc * BC, wkey = warp * 16, wq = warp * 16, dch = d / 8;
+    const int col0 = tc * BC, wkey = warp * 16 * MK, wq = warp * 16, dch = d / 8;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
     const float scale_log2 = scale * LOG2E_F;
 
@@ -86,17 +96,20 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const TileBases kq = tile_bases<T, D>(sK, sQ, sdO, wkey, lane);   // .q: K as A, .k: Q as B, .v: dO as B^T
     const TileBases vd = tile_bases<T, D>(sV, sdO, sQ, wkey, lane);   // .q: V as A, .k: dO as B, .v: Q as B^T
     const unsigned kT = tile_bases<T, D>(sK, sK, sK, 0, lane).v;      // K as B^T
-    const unsigned dsT = smem_addr(sdS) + ((lane / 16) * 8 + r7) * (BR * 2) + ((((lane / 8) & 1) ^ r7) << 4);
+    const int dsr = (lane / 16) * 8 + r7;     // this lane's dS^T row (key) of each 16-key step; its query chunk below
+    const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) + (ds_chunk<BR>(dsr, 2 * warp + ((lane / 8) & 1)) << 4);
 
     load_tile_async<T, BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
     load_tile_async<T, BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
     cp_async_commit();
 
-    float dk[1][ND][4], dv[1][ND][4];
+    float dk[MK][ND][4], dv[MK][ND][4];
 #pragma unroll
-    for (int n = 0; n < ND; ++n)
+    for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = 0.0f;
+        for (int n = 0; n < ND; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[mk][n][e] = dv[mk][n][e] = 0.0f;
     int t0, t1;
     band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
 
@@ -140,35 +153,39 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
             const unsigned off = cbuf * QBUF;
             const float* cL = sL + cbuf * BR;
             const float* cD = sD + cbuf * BR;
-            float s[1][NQ][4], dp[1][NQ][4];
+            float s[MK][NQ][4], dp[MK][NQ][4];
             gemm_qk<T, D>(s, kq.q, kq.k + off);          // S^T: this warp's keys x the tile's queries
             gemm_qk<T, D>(dp, vd.q, vd.k + off);         // dP^T = V dO^T
             const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
 #pragma unroll
+            for (int mk = 0; mk < MK; ++mk)
+#pragma unroll
             for (int n = 0; n < NQ; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;          // query
-                    const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);              // key
+                    const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;                  // query
+                    const int j = col0 + wkey + mk * 16 + g + (e >= 2 ? 8 : 0);            // key
                     const float L = cL[x];
                     const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
-                    const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L) : 0.0f;
+                    const float p = vis ? exp2_ftz(s[mk][n][e] * scale_log2 - L) : 0.0f;
                     float f = 1.0f;                       // Z / (1 - p) of element (i, j)
                     if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
-                    s[0][n][e] = p * f;                   // P_drop^T (dV's A operand)
-                    dp[0][n][e] = p * (dp[0][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+                    s[mk][n][e] = p * f;                  // P_drop^T (dV's A operand)
+                    dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
                 }
             gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
             gemm_pv<T, D, BR>(dk, dp, vd.v + off);       // dK += dS^T Q (scaled at the end)
             if constexpr (!ATOMIC_DQ) continue;          // dQ is fa2_tc_bwd_dq's
             // dS^T to shared memory (16-bit) for dQ = dS K
 #pragma unroll
+            for (int mk = 0; mk < MK; ++mk)
+#pragma unroll
             for (int n = 0; n < NQ; ++n)
 #pragma unroll
                 for (int hr = 0; hr < 2; ++hr) {
-                    const int row = wkey + g + 8 * hr, col = n * 8 + 2 * tq;
-                    *reinterpret_cast<unsigned*>(sdS + swizzle<BR>(row, col / 8) + (col % 8)) =
-                        Elem<T>::pack(dp[0][n][2 * hr], dp[0][n][2 * hr + 1]);
+                    const int row = wkey + mk * 16 + g + 8 * hr, col = n * 8 + 2 * tq;
+                    *reinterpret_cast<unsigned*>(sdS + row * BR + (ds_chunk<BR>(row, col / 8) << 3) + (col % 8)) =
+                        Elem<T>::pack(dp[mk][n][2 * hr], dp[mk][n][2 * hr + 1]);
                 }
             __syncthreads();
             // dQ rows wq..wq+15 += scale dS K: A = dS (queries x keys) by ldmatrix.trans of dS^T
@@ -180,7 +197,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
                 unsigned a[4];
-                ldmatrix_x4_trans(a, (dsT ^ (warp << 5)) + kk * 16 * (BR * 2));
+                ldmatrix_x4_trans(a, dsT + kk * 16 * (BR * 2));
 #pragma unroll
                 for (int dp2 = 0; dp2 < ND / 2; ++dp2) {
                     unsigned bk[4];
@@ -206,10 +223,12 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     }
     cp_async_wait<0>();
 
-    // dK = scale dS^T Q, dV: this warp's 16 keys
+    // dK = scale dS^T Q, dV: this warp's 16 MK keys
+#pragma unroll
+    for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-        const int j = col0 + wkey + g + 8 * hr;
+        const int j = col0 + wkey + mk * 16 + g + 8 * hr;
         if (j >= Nk) continue;
         T* krow = dK + ((long long)bhk * Nk + j) * d;
         T* vrow = dV + ((long long)bhk * Nk + j) * d;
@@ -217,8 +236,8 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
         for (int n = 0; n < ND; ++n) {
             const int c = n * 8 + 2 * tq;
             if (c < d) {
-                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * scale, dk[0][n][2 * hr + 1] * scale);
-                *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[0][n][2 * hr], dv[0][n][2 * hr + 1]);
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[mk][n][2 * hr] * scale, dk[mk][n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[mk][n][2 * hr], dv[mk][n][2 * hr + 1]);
             }
         }
     }

@@ -50,6 +50,7 @@ class TCConfig:
     philox_rounds: int = 10
     split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
+    bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -95,25 +96,42 @@ class TCConfig:
             return tiles
         return max(tiles, 4 * self.block_r * (D + 8 + 4)) + 4 * self.warps * self.block_r
 
-    # backward geometry: fixed (kernels_cu/fa2_tc_bwd.cu: 16 keys and 16 query rows per warp)
-    BWD_BR, BWD_BC, BWD_WARPS = 64, 64, 4
+    # backward geometry of the column kernel (kernels_cu/fa2_tc_bwd.cu) by its Q tile Br: (Br, Bc, warps,
+    # MK m16 key tiles per warp). Every warp owns 16 query rows of dQ and 16 MK keys.
+    BWD_GEOMETRY = {64: (64, 64, 4, 1), 32: (32, 64, 2, 2)}
+    BWD_AUTO = {64: 64, 128: 64}
+    # the deterministic dQ kernel: Br, Bc, warps
+    DQ_BR, DQ_BC, DQ_WARPS = 64, 64, 4
+
+    def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
+        return self.BWD_GEOMETRY[self.BWD_AUTO[D] if self.bwd_block_r == "auto" else self.bwd_block_r]
+
+    def backward_errors(self, D: int) -> list[str]:
+        if self.bwd_block_r not in ("auto", *self.BWD_GEOMETRY):
+            return [f"bwd_block_r={self.bwd_block_r!r}: auto or one of {sorted(self.BWD_GEOMETRY)}"]
+        warps = self.bwd_geometry(D)[2]
+        if 32 * warps // (D // 8) % 8:          # load_tile_async: each thread keeps one 16-byte chunk column
+            return [f"bwd_block_r={self.bwd_block_r} runs {warps} warps, too few to copy rows of d = {D} in "
+                    "steps of 8; it needs d <= 64"]
+        return []
 
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
-        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {self.BWD_BR}, {self.BWD_BC}, {self.BWD_WARPS}, "
+        br, bc, warps, mk = self.bwd_geometry(D)
+        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
 
     def dq_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The deterministic backward's row-parallel dQ kernel."""
-        return (f"fa2_tc_bwd_dq<{CTYPE[dtype]}, {D}, {self.BWD_BR}, {self.BWD_BC}, {self.BWD_WARPS}, "
+        return (f"fa2_tc_bwd_dq<{CTYPE[dtype]}, {D}, {self.DQ_BR}, {self.DQ_BC}, {self.DQ_WARPS}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}>")
 
     def backward_smem(self, D: int) -> int:
-        br, bc = self.BWD_BR, self.BWD_BC
+        br, bc, _, _ = self.bwd_geometry(D)
         return ITEMSIZE * (2 * bc * D + 4 * br * D + bc * br) + 4 * 4 * br   # K, V, 2x (Q, dO), dS^T; 2x (lse, D)
 
     def dq_smem(self, D: int) -> int:
-        return ITEMSIZE * D * (2 * self.BWD_BR + 4 * self.BWD_BC)              # Q, dO, 2x (K, V)
+        return ITEMSIZE * D * (2 * self.DQ_BR + 4 * self.DQ_BC)                # Q, dO, 2x (K, V)
 
     def backward_unit(self, dtype: str, D: int) -> CompileUnit:
         smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in (False, True)}
@@ -173,14 +191,17 @@ class FA2TensorCore:
         if deterministic:
             self.name = "fa2-tc-deterministic"
 
-    def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q"):
-        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic)
+    def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
+                  bwd_block_r="auto"):
+        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
 
     def check(self, problem, config, direction):
         errs = config.envelope_errors(d_pad(problem.d))
+        if direction in ("backward", "both"):
+            errs += config.backward_errors(d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
         if errs:
@@ -209,7 +230,7 @@ class FA2TensorCore:
         """The forward units of `config`; the backward's (one geometry) with the default config only."""
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
         if self.has_backward and config == self.configure():
-            units += [config.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)]
+            units += [config.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.backward_errors(D)]
         return units
 
     has_backward = True
@@ -229,17 +250,20 @@ class FA2TensorCore:
         dq = xp.zeros((p.B, p.Hq, p.Nq, p.d) if not config.deterministic else (1,), dtype=xp.float32)
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
-        tiles, tile_heads = tile_table(p, config.BWD_BR, config.BWD_BC, xp)
+        br, bc, warps, _ = config.bwd_geometry(D)
+        tiles, tile_heads = tile_table(p, br, bc, xp)
         operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
         rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p))
-        launch(unit, name, (-(-p.Nk // config.BWD_BC), p.B * p.Hkv), (32 * config.BWD_WARPS,),
+        launch(unit, name, (-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,),
                (*operands, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), *rest),
                shared_mem=unit.dynamic_smem[name])
         if not config.deterministic:
             return arrays.from_float32(dq, q.dtype, xp), dk, dv
         dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         name = config.dq_name(p.dtype, D, dropout)
-        launch(unit, name, (-(-p.Nq // config.BWD_BR), p.B * p.Hq), (32 * config.BWD_WARPS,),
+        if (br, bc) != (config.DQ_BR, config.DQ_BC):
+            tiles, tile_heads = tile_table(p, config.DQ_BR, config.DQ_BC, xp)
+        launch(unit, name, (-(-p.Nq // config.DQ_BR), p.B * p.Hq), (32 * config.DQ_WARPS,),
                (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest),
                shared_mem=unit.dynamic_smem[name])
         return dq, dk, dv
@@ -281,6 +305,8 @@ PARAMS = (
           "and every key of a tile; k, each warp owns all Br rows and Bc / warps keys, the warps agree on "
           "row maxima through shared memory every tile and add partial outputs at the end (Br x d "
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
+    Param("bwd_block_r", ("auto", 32, 64), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 warps "
+          "of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64); auto: TCConfig.BWD_AUTO per head dim"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
