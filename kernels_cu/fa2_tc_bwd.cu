@@ -23,7 +23,17 @@
 //       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
 //       by ldmatrix.trans) in tile order, so every run sums in the same order. Two more GEMMs per
 //       tile than the atomic path (7 instead of 5); K and V of the next tile are copied during this one.
+// dQ atomics: lanes t and t ^ 1 swap halves of their C fragments so that each adds four consecutive
+// columns with one float4 atomic on sm_90 (scalar atomics before).
 // Envelope: D in {64, 128}, BR in {32, 64} (the dS^T tile's swizzle, ds_chunk below).
+//
+// Status (H100, bench/results/h100/): fuzzed against the oracle in fp16 and bf16 with every feature
+// (counts in the summaries), sanitizer clean. d = 64 backward 136-165 TFLOP/s, 0.74-0.85x SDPA flash;
+// d = 128 151-188, 0.79-0.86x. MK = 2 (2 warps x 32 keys) bought 3-7% at d = 64, where halving the
+// operand reads predicted up to 40% if shared memory bound the kernel. Nsight Compute (d = 64,
+// N = 4k, MK = 1) says latency instead: 8 warps per SM (12.5% occupancy: 215 registers, 58 KB of
+// shared memory), issue slots 32% busy, tensor pipe 24%, L1 59%. More warps in flight (fewer
+// registers per warp, as FA2's 8-warp 2-D layouts) is the next rung.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 
@@ -96,8 +106,13 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const TileBases kq = tile_bases<T, D>(sK, sQ, sdO, wkey, lane);   // .q: K as A, .k: Q as B, .v: dO as B^T
     const TileBases vd = tile_bases<T, D>(sV, sdO, sQ, wkey, lane);   // .q: V as A, .k: dO as B, .v: Q as B^T
     const unsigned kT = tile_bases<T, D>(sK, sK, sK, 0, lane).v;      // K as B^T
-    const int dsr = (lane / 16) * 8 + r7;     // this lane's dS^T row (key) of each 16-key step; its query chunk below
-    const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) + (ds_chunk<BR>(dsr, 2 * warp + ((lane / 8) & 1)) << 4);
+    // dS^T as A^T: this lane's row (key) of each 16-key step and its query chunk, 2 warp + (lane / 8) % 2.
+    // BR = 64 XORs the warp's 2 warp in at each use ((2 warp + c) ^ r7 = c ^ r7 ^ 2 warp): folding it into
+    // the base cost the D = 128 kernel 48 more bytes of spills (NVRTC 13, sm_90; 255 registers either way).
+    const int dsr = (lane / 16) * 8 + r7;
+    const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) +
+                         (ds_chunk<BR>(dsr, (BR == 64 ? 0 : 2 * warp) + ((lane / 8) & 1)) << 4);
+    const unsigned dsT_warp = BR == 64 ? dsT ^ (warp << 5) : dsT;
 
     load_tile_async<T, BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
     load_tile_async<T, BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
@@ -197,7 +212,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
 #pragma unroll
             for (int kk = 0; kk < BC / 16; ++kk) {
                 unsigned a[4];
-                ldmatrix_x4_trans(a, dsT + kk * 16 * (BR * 2));
+                ldmatrix_x4_trans(a, dsT_warp + kk * 16 * (BR * 2));
 #pragma unroll
                 for (int dp2 = 0; dp2 < ND / 2; ++dp2) {
                     unsigned bk[4];

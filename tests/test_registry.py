@@ -176,8 +176,8 @@ def test_fa2_tc_deterministic_backward_names_its_kernels():
     module; fa2-tc's module holds the atomic column kernel only."""
     atomic = sandbox.get_variant("fa2-tc").config.backward_unit("float16", 64)
     det = sandbox.get_variant("fa2-tc-deterministic").config.backward_unit("bfloat16", 128)
-    assert atomic.names == ("fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 10, false, true>",
-                            "fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 10, true, true>")
+    assert atomic.names == ("fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 10, false, true>",
+                            "fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 10, true, true>")
     assert det.names == ("fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 10, false, false>",
                          "fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 10, true, false>",
                          "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, false>",
