@@ -13,11 +13,12 @@
 // philox(j / 4, i, b*Hq + h, offset), as the forward.
 //
 // Kernels
-//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
 //       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and 16 query rows of dQ
 //       (BR = 16 WARPS). MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
 //       (each fragment feeds two m16 key tiles) at the price of twice the dK, dV accumulators.
 //       Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
+//       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
 //   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
 //       row-parallel like the forward (split-Q, 16 rows per warp): per K/V tile it recomputes
 //       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
@@ -64,8 +65,8 @@ __device__ __forceinline__ int ds_chunk(int row, int chunk) {
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int MK, int R, bool DROPOUT, bool ATOMIC_DQ>
-__global__ void __launch_bounds__(WARPS * 32, 1)
+template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ>
+__global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
            const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]

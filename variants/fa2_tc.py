@@ -51,6 +51,7 @@ class TCConfig:
     split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
     bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
+    bwd_min_blocks: int = 1       # backward column kernel: blocks per SM its registers must allow
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -118,7 +119,7 @@ class TCConfig:
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
         br, bc, warps, mk = self.bwd_geometry(D)
-        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, "
+        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_min_blocks}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
 
     def dq_name(self, dtype: str, D: int, dropout: bool) -> str:
@@ -192,8 +193,9 @@ class FA2TensorCore:
             self.name = "fa2-tc-deterministic"
 
     def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
-                  bwd_block_r="auto"):
-        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r)
+                  bwd_block_r="auto", bwd_min_blocks=1):
+        return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r,
+                        bwd_min_blocks)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -308,6 +310,8 @@ PARAMS = (
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
     Param("bwd_block_r", ("auto", 32, 64), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 warps "
           "of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64); auto: TCConfig.BWD_AUTO per head dim"),
+    Param("bwd_min_blocks", (1, 2, 3), 1, "backward column kernel: blocks per SM the register allocation must "
+          "allow (__launch_bounds__): more warps in flight, spills past the kernel's need"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
