@@ -29,12 +29,13 @@
 // Envelope: D in {64, 128}, BR in {32, 64} (the dS^T tile's swizzle, ds_chunk below).
 //
 // Status (H100, bench/results/h100/): fuzzed against the oracle in fp16 and bf16 with every feature
-// (counts in the summaries), sanitizer clean. d = 64 backward 136-165 TFLOP/s, 0.74-0.85x SDPA flash;
-// d = 128 151-188, 0.79-0.86x. MK = 2 (2 warps x 32 keys) bought 3-7% at d = 64, where halving the
-// operand reads predicted up to 40% if shared memory bound the kernel. Nsight Compute (d = 64,
-// N = 4k, MK = 1) says latency instead: 8 warps per SM (12.5% occupancy: 215 registers, 58 KB of
-// shared memory), issue slots 32% busy, tensor pipe 24%, L1 59%. More warps in flight (fewer
-// registers per warp, as FA2's 8-warp 2-D layouts) is the next rung.
+// (counts in the summaries), sanitizer clean. The kernel is latency-bound, not bandwidth-bound:
+// Nsight Compute (d = 64, N = 4k, Br = 64, 2 blocks per SM) shows 8 warps per SM (12.5% occupancy:
+// 215 registers, 58 KB of shared memory), issue slots 32% busy, tensor pipe 24%, L1 59%. So MK = 2
+// (2 warps x 32 keys), which halves the operand reads and was predicted up to 40% faster if shared
+// memory were the limit, bought 3-7%, while MINB = 3 (168 registers, 84 bytes of spills, 12 warps
+// per SM) bought 11-13%: the d = 64 default (variants/fa2_tc.py, TCConfig.BWD_AUTO*). Next rung: fewer
+// registers per warp at 8 warps per block (FA2's 2-D warp layouts), so occupancy comes without spills.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 

@@ -176,8 +176,8 @@ def test_fa2_tc_deterministic_backward_names_its_kernels():
     module; fa2-tc's module holds the atomic column kernel only."""
     atomic = sandbox.get_variant("fa2-tc").config.backward_unit("float16", 64)
     det = sandbox.get_variant("fa2-tc-deterministic").config.backward_unit("bfloat16", 128)
-    assert atomic.names == ("fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 1, 10, false, true>",
-                            "fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 1, 10, true, true>")
+    assert atomic.names == ("fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, false, true>",
+                            "fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, true, true>")
     assert det.names == ("fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, false, false>",
                          "fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, true, false>",
                          "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, false>",
@@ -188,9 +188,10 @@ def test_fa2_tc_deterministic_backward_names_its_kernels():
 def test_fa2_tc_backward_geometry():
     """bwd_block_r=32: 2 warps of 32 keys (MK = 2) at d <= 64; d = 128 is rejected before launch."""
     from variants.fa2_tc import TCConfig
-    c = TCConfig(bwd_block_r=32)
+    c = TCConfig(bwd_block_r=32, bwd_min_blocks=1)
     assert c.bwd_geometry(64) == (32, 64, 2, 2) and c.backward_errors(64) == []
     assert c.backward_name("float16", 64, True) == "fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 1, 10, true, true>"
+    assert TCConfig().bwd_blocks_per_sm(64) == 3 and TCConfig().bwd_blocks_per_sm(128) == 1
     assert c.backward_smem(64) == 2 * (2 * 64 * 64 + 4 * 32 * 64 + 64 * 32) + 4 * 4 * 32
     assert "d <= 64" in c.backward_errors(128)[0]
     q, k, v = qkv(d=128, dtype=np.float16)

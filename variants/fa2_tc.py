@@ -51,7 +51,7 @@ class TCConfig:
     split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
     bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
-    bwd_min_blocks: int = 1       # backward column kernel: blocks per SM its registers must allow
+    bwd_min_blocks: object = "auto"  # backward column kernel: blocks per SM its registers must allow
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -100,12 +100,20 @@ class TCConfig:
     # backward geometry of the column kernel (kernels_cu/fa2_tc_bwd.cu) by its Q tile Br: (Br, Bc, warps,
     # MK m16 key tiles per warp). Every warp owns 16 query rows of dQ and 16 MK keys.
     BWD_GEOMETRY = {64: (64, 64, 4, 1), 32: (32, 64, 2, 2)}
-    BWD_AUTO = {64: 32, 128: 64}     # 32 at d = 64: 3-7% faster on the H100 (bench/results/h100/); 2 warps cannot copy d = 128
+    # auto (H100, bench/results/h100/2026-11-22-bf00f14.md, backward TFLOP/s at d = 64): Br = 64 with 3
+    # blocks per SM (168 registers, 84 bytes of spills) 150-176, Br = 32 (2 warps x 32 keys, no spills)
+    # 140-165, Br = 64 with 2 blocks (215 registers, no spills) 135-157: the kernel is latency-bound
+    # (8 warps per SM), so occupancy beats the spills. d = 128: 255 registers, 2 blocks per SM already.
+    BWD_AUTO = {64: 64, 128: 64}
+    BWD_AUTO_MIN_BLOCKS = {64: 3, 128: 1}
     # the deterministic dQ kernel: Br, Bc, warps
     DQ_BR, DQ_BC, DQ_WARPS = 64, 64, 4
 
     def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
         return self.BWD_GEOMETRY[self.BWD_AUTO[D] if self.bwd_block_r == "auto" else self.bwd_block_r]
+
+    def bwd_blocks_per_sm(self, D: int) -> int:
+        return self.BWD_AUTO_MIN_BLOCKS[D] if self.bwd_min_blocks == "auto" else self.bwd_min_blocks
 
     def backward_errors(self, D: int) -> list[str]:
         if self.bwd_block_r not in ("auto", *self.BWD_GEOMETRY):
@@ -119,7 +127,7 @@ class TCConfig:
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
         br, bc, warps, mk = self.bwd_geometry(D)
-        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_min_blocks}, "
+        return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_blocks_per_sm(D)}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
 
     def dq_name(self, dtype: str, D: int, dropout: bool) -> str:
@@ -193,7 +201,7 @@ class FA2TensorCore:
             self.name = "fa2-tc-deterministic"
 
     def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
-                  bwd_block_r="auto", bwd_min_blocks=1):
+                  bwd_block_r="auto", bwd_min_blocks="auto"):
         return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r,
                         bwd_min_blocks)
 
@@ -219,10 +227,10 @@ class FA2TensorCore:
     TUNED = {(128, "auto", 4, 1, "q"), (64, 64, 4, "auto", "q"), (64, 64, 4, 2, "q"), (128, 64, 8, "auto", "q"),
              (64, 64, 4, 1, "k"), (32, 64, 4, 1, "k")}
 
-    # The backward's default geometry (TCConfig.BWD_AUTO) compiles without spills at D = 64; at D = 128
-    # the column kernel spills 16-72 bytes (255 registers: the dK and dV accumulators alone take 128),
-    # so it is reported and not marked tuned.
-    BWD_TUNED_DIMS = (64,)
+    # The backward's default is not marked tuned: at D = 64 it trades 48-84 bytes of spills for 3 blocks
+    # per SM (measured faster, TCConfig.BWD_AUTO); at D = 128 the column kernel spills 16-72 bytes (255
+    # registers: the dK and dV accumulators alone take 128). bwd_block_r=32 at D = 64 compiles clean.
+    BWD_TUNED_DIMS = ()
 
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source == "fa2_tc_bwd.cu":     # names: fa2_tc_bwd<T, D, ...>
@@ -310,8 +318,9 @@ PARAMS = (
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
     Param("bwd_block_r", ("auto", 32, 64), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 warps "
           "of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64); auto: TCConfig.BWD_AUTO per head dim"),
-    Param("bwd_min_blocks", (1, 2, 3), 1, "backward column kernel: blocks per SM the register allocation must "
-          "allow (__launch_bounds__): more warps in flight, spills past the kernel's need"),
+    Param("bwd_min_blocks", ("auto", 1, 2, 3), "auto", "backward column kernel: blocks per SM the register "
+          "allocation must allow (__launch_bounds__): more warps in flight, spills past the kernel's need; auto: "
+          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim (3 at d = 64)"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
