@@ -2,6 +2,7 @@
 # One call on a GPU machine: the GPU test suite (Hypothesis over every variant),
 # compute-sanitizer on a small case per CUDA variant, the benchmark, and a summary printed last.
 # Logs and JSON go to $OUT (default ./out). Usage: COMMIT=<sha> [PARTS=tests|bench|tc|families] bash bench/gpu_session.sh
+# (COMMIT from the development checkout: a device copy of the tree may carry a stale .git HEAD)
 # (one device call holds 10 minutes: run PARTS=tests and PARTS=bench as two calls when both do not fit;
 # SANITIZE=0 skips compute-sanitizer, GPU_SHARDS=k runs each fuzz pair as k tests).
 set -uo pipefail
