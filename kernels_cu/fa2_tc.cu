@@ -16,8 +16,9 @@
 //       shared memory (no padding, no bank conflicts) and into registers by ldmatrix (.trans for
 //       V); P stays in registers between the two GEMMs (a C fragment pair is an A fragment).
 //       DROPOUT is a template switch: the unrolled Philox calls cost registers even when unused.
-//       Pipeline (the flash-attn 2 order): V_j's copy flies while S = Q K_j^T is computed, K_{j+1}'s
-//       while softmax and O += P V_j run; one K and one V buffer.
+//       STAGES = 2, the pipeline (the flash-attn 2 order): V_j's copy flies while S = Q K_j^T is
+//       computed, K_{j+1}'s while softmax and O += P V_j run; one K and one V buffer. STAGES = 1, the
+//       rung below: each tile's copies are waited for before its GEMMs (what the overlap buys).
 // Status (H100, bench/results/h100/): 0 failures over more than 5,000 oracle-checked Hypothesis
 // examples per dtype (fp16, bf16), every feature, at 1cd78c6; compute-sanitizer clean (split-K too).
 // N = 2k-16k, causal and not: the default (split-Q, Br = 128, 4 warps x 32 rows, Bc = 64 at d = 64 and
@@ -37,7 +38,7 @@
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, bool SPLIT_Q, int MINB, int R, bool DROPOUT>
+template <typename T, int D, int BR, int BC, int WARPS, bool SPLIT_Q, int STAGES, int MINB, int R, bool DROPOUT>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,  // [B, Hq, Nq, d]
                const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,  // [B, Hkv, Nk, d]
@@ -56,6 +57,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     constexpr int ND = D / 8;           // n8 tiles of O
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
     static_assert(RW % 16 == 0 && CW % 16 == 0, "each warp needs 16k query rows and 16k keys per tile");
+    static_assert(STAGES == 1 || STAGES == 2, "copies waited for at once (1) or one tile ahead (2)");
     // shared memory: the Q, K, V tiles; split-K reuses them for the partial sums (add_split_k_partials)
     // and keeps the warps' row maxima after them
     constexpr int TILE_BYTES = 2 * D * (BR + 2 * BC), RED_BYTES = SPLIT_Q ? 0 : 4 * BR * (D + 8 + 4);
@@ -103,6 +105,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         __syncthreads();                              // K_t (and Q) landed; every warp is done with V_{t-1}
         load_tile_async<T, BC, D, THREADS>(sV, Vb, v_sm, col0, Nk, dch);
         cp_async_commit();
+        if constexpr (STAGES == 1) {                  // no overlap: K_t and V_t land before any GEMM
+            cp_async_wait<0>();
+            __syncthreads();
+        }
 
         // S = Q K_t^T (fp32), this warp's RW rows x BC keys
         float s[MT][NT][4];
@@ -110,7 +116,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         __syncthreads();                              // every warp is done reading K_t
         int next = t + 1;
         while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
-        if (next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
+        if (STAGES == 2 && next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
 
         // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
@@ -129,6 +135,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         cp_async_wait<1>();                           // V_t landed (K_{t+1} may still be in flight)
         __syncthreads();
         gemm_pv<T, D, CW>(o, s, base.v);             // O += P V_t, P from registers
+        if (STAGES == 1 && next <= t1) {              // K_{t+1} after the GEMMs (every warp passed S_t's barrier)
+            load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
+            cp_async_commit();
+        }
         t = next;
     }
     cp_async_wait<0>();                               // nothing may land after the block exits

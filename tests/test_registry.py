@@ -136,7 +136,7 @@ def test_fa2_tc_occupancy_auto_follows_the_accumulators():
     assert TCConfig(64, 64, 4, "auto").blocks_per_sm(128) == 2           # 64 + 32 + 96
     assert TCConfig(128, 64, 4, "auto").blocks_per_sm(128) == 1          # 128 + 64 + 96
     assert TCConfig(128, 64, 8, min_blocks=2).blocks_per_sm(128) == 2
-    assert "fa2_tc_forward<__half, 64, 64, 64, 4, true, 3, 10, false>" == TCConfig(64, 64, 4, "auto").forward_name(
+    assert "fa2_tc_forward<__half, 64, 64, 64, 4, true, 2, 3, 10, false>" == TCConfig(64, 64, 4, "auto").forward_name(
         "float16", 64, False)
 
 
@@ -145,8 +145,8 @@ def test_fa2_tc_auto_block_c_follows_head_dim_and_dropout():
     table and shared memory follow the resolved Bc."""
     from variants.fa2_tc import TCConfig
     c = TCConfig()
-    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, true, 1, 10, false>"
-    assert c.forward_name("float16", 128, True) == "fa2_tc_forward<__half, 128, 128, 32, 4, true, 1, 10, true>"
+    assert c.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, true, 2, 1, 10, false>"
+    assert c.forward_name("float16", 128, True) == "fa2_tc_forward<__half, 128, 128, 32, 4, true, 2, 1, 10, true>"
     assert c.forward_smem(64) == 2 * 64 * (128 + 128) and c.forward_smem(128, True) == 2 * 128 * (128 + 64)
     wide = TCConfig(128, 128, 4, 1)
     assert wide.bc(64, True) == 128 and wide.unit("float16", 64).dynamic_smem == {
@@ -160,7 +160,7 @@ def test_fa2_tc_split_k_geometry():
     from variants.fa2_tc import TCConfig
     k = TCConfig(32, "auto", 4, split="k")
     assert k.bc(128) == 64 and k.warp_tile(128) == (32, 16)
-    assert k.forward_name("float16", 128, False) == "fa2_tc_forward<__half, 128, 32, 64, 4, false, 1, 10, false>"
+    assert k.forward_name("float16", 128, False) == "fa2_tc_forward<__half, 128, 32, 64, 4, false, 2, 1, 10, false>"
     assert k.forward_smem(128) == max(2 * 128 * (32 + 128), 4 * 32 * (128 + 12)) + 4 * 4 * 32
     assert TCConfig(64, 64, 4, split="k").envelope_errors(64) == []
     assert "lower block_r" in TCConfig(64, 64, 4, split="k").envelope_errors(128)[0]

@@ -58,6 +58,7 @@ class TCConfig:
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
     bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
     bwd_min_blocks: object = "auto"  # backward column kernel: blocks per SM its registers must allow
+    stages: int = 2               # forward copies: 2 one tile ahead of the GEMMs, 1 waited for at once
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -74,7 +75,8 @@ class TCConfig:
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
         return (f"fa2_tc_forward<{CTYPE[dtype]}, {D}, {self.block_r}, {self.bc(D, dropout)}, {self.warps}, "
-                f"{'true' if self.split == 'q' else 'false'}, {self.blocks_per_sm(D, dropout)}, {self.philox_rounds}, "
+                f"{'true' if self.split == 'q' else 'false'}, {self.stages}, {self.blocks_per_sm(D, dropout)}, "
+                f"{self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def warp_tile(self, D: int, dropout: bool = False) -> tuple[int, int]:
@@ -207,9 +209,9 @@ class FA2TensorCore:
             self.name = "fa2-tc-deterministic"
 
     def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
-                  bwd_block_r="auto", bwd_min_blocks="auto"):
+                  bwd_block_r="auto", bwd_min_blocks="auto", stages=2):
         return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r,
-                        bwd_min_blocks)
+                        bwd_min_blocks, stages)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -227,7 +229,7 @@ class FA2TensorCore:
         return [{}, {"block_c": 64}, {"block_c": 128}, {"block_r": 64, "block_c": 64, "min_blocks": "auto"},
                 {"block_r": 64, "block_c": 64, "min_blocks": 2}, {"warps": 8, "block_c": 64, "min_blocks": "auto"},
                 {"warps": 8, "block_c": 64, "min_blocks": 2}, {"split": "k", "block_r": 64, "block_c": 64},
-                {"split": "k", "block_r": 32, "block_c": 64}]
+                {"split": "k", "block_r": 32, "block_c": 64}, {"stages": 1}]
 
     # Configs whose compile report shows no spills at D = 64 and 128: the CI check holds them to it.
     TUNED = {(128, "auto", 4, 1, "q"), (64, 64, 4, "auto", "q"), (64, 64, 4, 2, "q"), (128, 64, 8, "auto", "q"),
@@ -241,7 +243,8 @@ class FA2TensorCore:
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source == "fa2_tc_bwd.cu":     # names: fa2_tc_bwd<T, D, ...>
             return all(int(n.split(",")[1]) in self.BWD_TUNED_DIMS for n in unit.names)
-        return (config.block_r, config.block_c, config.warps, config.min_blocks, config.split) in self.TUNED
+        return (config.block_r, config.block_c, config.warps, config.min_blocks, config.split) in self.TUNED \
+            and config.stages == 2
 
     def compile_units(self, config):
         """The forward units of `config`; the backward's (one geometry) with the default config only."""
@@ -322,6 +325,8 @@ PARAMS = (
           "and every key of a tile; k, each warp owns all Br rows and Bc / warps keys, the warps agree on "
           "row maxima through shared memory every tile and add partial outputs at the end (Br x d "
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
+    Param("stages", (1, 2), 2, "forward copy pipeline: 2, V_j during S = Q K_j^T and K_{j+1} during softmax and "
+          "P V_j (the flash-attn order); 1, each tile's copies waited for before its GEMMs (the rung below)"),
     Param("bwd_block_r", ("auto", 32, 64), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 warps "
           "of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64); auto: TCConfig.BWD_AUTO per head dim"),
     Param("bwd_min_blocks", ("auto", 1, 2, 3), "auto", "backward column kernel: blocks per SM the register "
