@@ -27,7 +27,7 @@
 // sm_80, so not the default). Split-K runs 0.51-0.61x: split-Q over split-K 1.6-1.8x (FA2 Sec. 3.3),
 // since every split-K warp reads the whole Q tile, waits at one more barrier per tile and keeps
 // Br x D accumulators. STAGES = 1 runs 0.74-0.88x SDPA flash at d = 64 and 0.72-0.77x at d = 128
-// (96be664): the overlap buys 12-27% (predicted 10-20%, less at d = 128; but Bc halves at d = 128, so a
+// (96be664): the overlap buys 12-26% (predicted 10-20%, less at d = 128; but Bc halves at d = 128, so a
 // tile's bytes per FLOP do not fall). Rung 1 (fa2_tc_naive.cu) runs 45-51.
 // Masks: the host's tile table (EMPTY / FULL / PARTIAL) and the band bound the tile loop (tiles
 // above the causal diagonal are never loaded); the element predicate runs only in partial tiles
