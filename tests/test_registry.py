@@ -171,6 +171,15 @@ def test_fa2_tc_split_k_geometry():
         sandbox.get_variant("fa2-tc", split="k", block_r=64).check(sandbox.problem.make_problem(q, k_, v))
 
 
+def test_fa2_tc_stages_is_a_template_axis_outside_the_tuned_set():
+    """stages=1 (copies waited for before the GEMMs) names its own kernel and is a measured rung, not
+    a tuned config; the default pipeline (2) of a tuned config stays tuned."""
+    from variants.fa2_tc import FA2TensorCore, TCConfig
+    one = TCConfig(stages=1)
+    assert one.forward_name("float16", 64, False) == "fa2_tc_forward<__half, 64, 128, 64, 4, true, 1, 1, 10, false>"
+    assert not FA2TensorCore().tuned(one) and FA2TensorCore().tuned(TCConfig())
+
+
 def test_fa2_tc_deterministic_backward_names_its_kernels():
     """fa2-tc-deterministic: the column kernel without atomics plus the row-parallel dQ kernel, in one
     module; fa2-tc's module holds the atomic column kernel only."""
