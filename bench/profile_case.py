@@ -6,6 +6,7 @@ Runs the case once untimed (compiles the kernels) and once more, so that `ncu --
 kernel filter can pick the warm launch."""
 import argparse
 
+import cupy as cp
 import numpy as np
 
 import sandbox
@@ -21,7 +22,6 @@ name, params = parse_spec(args.spec)
 B, H = 16384 // args.n, 2048 // args.d        # the FA2 paper's grid: 16k tokens, hidden 2048
 rng = np.random.default_rng(0)
 q, k, v, do = (rng.standard_normal((B, H, args.n, args.d)).astype(np.float16) for _ in range(4))
-import cupy as cp
 q, k, v, do = (cp.asarray(x) for x in (q, k, v, do))
 for _ in range(2):
     res = sandbox.forward(q, k, v, variant=name, causal=args.causal, **params)

@@ -82,7 +82,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
-    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+    t = next_live_tile(trow, t, t1);
 
     const TileBases base = tile_bases<T, D>(sQ, sK + wcol * D, sV + wcol * D, wrow, lane);
 
@@ -116,8 +116,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         float s[MT][NT][4];
         gemm_qk<T, D>(s, base.q, base.k);
         __syncthreads();                              // every warp is done reading K_t
-        int next = t + 1;
-        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
+        const int next = next_live_tile(trow, t + 1, t1);
         if (STAGES == 2 && next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
         cp_async_commit();                            // (an empty group keeps the wait counts fixed)
 

@@ -295,7 +295,7 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
-    while (t <= t1 && trow[t] == TILE_EMPTY) ++t;
+    t = next_live_tile(trow, t, t1);
 
     const TileBases qa = tile_bases<T, D>(sQ, sK, sV, wrow, lane);    // .q: Q as A, .k: K as B
     const TileBases da = tile_bases<T, D>(sdO, sV, sK, wrow, lane);   // .q: dO as A, .k: V as B, .v: K as B^T
@@ -323,8 +323,7 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 
     int buf = 0;
     while (t <= t1) {
-        int next = t + 1;
-        while (next <= t1 && trow[next] == TILE_EMPTY) ++next;
+        const int next = next_live_tile(trow, t + 1, t1);
         cp_async_wait<0>();
         __syncthreads();                              // K_t, V_t landed; every warp is done with the other buffer
         if (next <= t1) {

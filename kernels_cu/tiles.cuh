@@ -21,3 +21,9 @@ __device__ __forceinline__ void band_row_tiles(int c0, int c1, int lo, int hi, i
     t0 = (int)(ilo / BROWS);
     t1 = ilo > ihi ? t0 - 1 : (int)(ihi / BROWS);
 }
+
+// The first tile t' in [t, t1] whose class (at cls[t' * stride]) is not EMPTY; t1 + 1 if none.
+__device__ __forceinline__ int next_live_tile(const signed char* cls, int t, int t1, int stride = 1) {
+    while (t <= t1 && cls[t * stride] == TILE_EMPTY) ++t;     // one head's table: int offsets
+    return t;
+}
