@@ -13,12 +13,14 @@
 // philox(j / 4, i, b*Hq + h, offset), as the forward.
 //
 // Kernels
-//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
+//   fa2_tc_bwd_rowdot<T>   grid ceil(B*Hq*Nq / 32), 256 threads: the preprocessing D = rowsum(dO o O), fp32.
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ, DQC>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
 //       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and 16 query rows of dQ
 //       (BR = 16 WARPS). MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
 //       (each fragment feeds two m16 key tiles) at the price of twice the dK, dV accumulators.
 //       Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
 //       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
+//       DQC: dQ columns per pass of the dQ GEMM (DQC / 2 fp32 accumulators per lane at a time).
 //   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
 //       row-parallel like the forward (split-Q, 16 rows per warp): per K/V tile it recomputes
 //       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
@@ -26,7 +28,7 @@
 //       tile than the atomic path (7 instead of 5); K and V of the next tile are copied during this one.
 // dQ atomics: lanes t and t ^ 1 swap halves of their C fragments so that each adds four consecutive
 // columns with one float4 atomic on sm_90 (scalar atomics before).
-// Envelope: D in {64, 128}, BR in {32, 64} (the dS^T tile's swizzle, ds_chunk below).
+// Envelope: D in {64, 128}, BR in {32, 64, 128} (the dS^T tile's swizzle, ds_chunk below).
 //
 // Status (H100, bench/results/h100/): fuzzed against the oracle in fp16 and bf16 with every feature
 // (counts in the summaries), sanitizer clean. The kernel is latency-bound, not bandwidth-bound:
@@ -55,18 +57,18 @@ __device__ __forceinline__ void add_quad(float* row, float4 v) {
 #endif
 }
 
-// Swizzled 16-byte chunk of (row, chunk) in the [BC][BR] dS^T tile: rows of 8 chunks (BR = 64) as
-// swizzle<>: chunk ^ (row % 8); rows of 4 chunks (BR = 32, two rows per 128-byte line): chunk ^
+// Swizzled 16-byte chunk of (row, chunk) in the [BC][BR] dS^T tile: rows of 8 or 16 chunks (BR = 64,
+// 128) as swizzle<>: chunk ^ (row % 8); rows of 4 chunks (BR = 32, two rows per 128-byte line): chunk ^
 // ((row / 2) % 4). Either way the 8 rows an ldmatrix phase reads hit 8 different 16-byte bank groups.
 template <int BR>
 __device__ __forceinline__ int ds_chunk(int row, int chunk) {
-    static_assert(BR == 32 || BR == 64, "dS^T rows of 4 or 8 chunks");
-    return BR == 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+    static_assert(BR == 32 || BR == 64 || BR == 128, "dS^T rows of 4, 8 or 16 chunks");
+    return BR >= 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
 }
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ>
+template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ, int DQC>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
@@ -85,6 +87,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
     static_assert(BC == 16 * MK * WARPS && BR == 16 * WARPS, "16 MK keys and 16 query rows per warp");
+    static_assert(DQC % 16 == 0 && D % DQC == 0, "dQ in passes of DQC columns, a multiple of 16 dividing D");
     extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sK = reinterpret_cast<T*>(smem_u4);   // [BC][D] swizzled
     T* sV = sK + BC * D;                      // [BC][D]
@@ -109,12 +112,12 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const TileBases vd = tile_bases<T, D>(sV, sdO, sQ, wkey, lane);   // .q: V as A, .k: dO as B, .v: Q as B^T
     const unsigned kT = tile_bases<T, D>(sK, sK, sK, 0, lane).v;      // K as B^T
     // dS^T as A^T: this lane's row (key) of each 16-key step and its query chunk, 2 warp + (lane / 8) % 2.
-    // BR = 64 XORs the warp's 2 warp in at each use ((2 warp + c) ^ r7 = c ^ r7 ^ 2 warp): folding it into
+    // BR >= 64 XORs the warp's 2 warp in at each use ((2 warp + c) ^ r7 = c ^ r7 ^ 2 warp): folding it into
     // the base cost the D = 128 kernel 48 more bytes of spills (NVRTC 13, sm_90; 255 registers either way).
     const int dsr = (lane / 16) * 8 + r7;
     const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) +
-                         (ds_chunk<BR>(dsr, (BR == 64 ? 0 : 2 * warp) + ((lane / 8) & 1)) << 4);
-    const unsigned dsT_warp = BR == 64 ? dsT ^ (warp << 5) : dsT;
+                         (ds_chunk<BR>(dsr, (BR >= 64 ? 0 : 2 * warp) + ((lane / 8) & 1)) << 4);
+    const unsigned dsT_warp = BR >= 64 ? dsT ^ (warp << 5) : dsT;
 
     load_tile_async<T, BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
     load_tile_async<T, BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
@@ -205,36 +208,40 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                         Elem<T>::pack(dp[mk][n][2 * hr], dp[mk][n][2 * hr + 1]);
                 }
             __syncthreads();
-            // dQ rows wq..wq+15 += scale dS K: A = dS (queries x keys) by ldmatrix.trans of dS^T
-            float dq[1][ND][4];
-#pragma unroll
-            for (int n = 0; n < ND; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < BC / 16; ++kk) {
-                unsigned a[4];
-                ldmatrix_x4_trans(a, dsT_warp + kk * 16 * (BR * 2));
-#pragma unroll
-                for (int dp2 = 0; dp2 < ND / 2; ++dp2) {
-                    unsigned bk[4];
-                    ldmatrix_x4_trans(bk, (kT ^ (dp2 << 5)) + kk * 16 * (D * 2));
-                    mma_16816<T>(dq[0][2 * dp2], a, bk);
-                    mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
-                }
-            }
-            // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
-            // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
+            // dQ rows wq..wq+15 += scale dS K: A = dS (queries x keys) by ldmatrix.trans of dS^T, in passes of
+            // DQC columns (DQC / 8 n8 tiles: DQC / 2 accumulators per lane live at once)
             const bool odd = tq & 1;
             const int i = row0 + wq + g + (odd ? 8 : 0);
             float* row = dQ + ((long long)bh * Nq + min(i, Nq - 1)) * d + 4 * (tq / 2);
 #pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
-                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
-                const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
-                                     : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
-                if (i < Nq && n * 8 + 4 * (tq / 2) < d) add_quad(row + n * 8, v);
+            for (int c0 = 0; c0 < ND; c0 += DQC / 8) {
+                float dq[1][DQC / 8][4];
+#pragma unroll
+                for (int n = 0; n < DQC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < BC / 16; ++kk) {
+                    unsigned a[4];
+                    ldmatrix_x4_trans(a, dsT_warp + kk * 16 * (BR * 2));
+#pragma unroll
+                    for (int dp2 = 0; dp2 < DQC / 16; ++dp2) {
+                        unsigned bk[4];
+                        ldmatrix_x4_trans(bk, (kT ^ ((c0 / 2 + dp2) << 5)) + kk * 16 * (D * 2));
+                        mma_16816<T>(dq[0][2 * dp2], a, bk);
+                        mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
+                    }
+                }
+                // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
+                // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
+#pragma unroll
+                for (int n = 0; n < DQC / 8; ++n) {
+                    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
+                    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
+                    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
+                                         : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
+                    if (i < Nq && (c0 + n) * 8 + 4 * (tq / 2) < d) add_quad(row + (c0 + n) * 8, v);
+                }
             }
         }
     }
@@ -371,4 +378,36 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
             if (c < d) *reinterpret_cast<unsigned*>(row + c) = Elem<T>::pack(dq[0][n][2 * hr] * scale, dq[0][n][2 * hr + 1] * scale);
         }
     }
+}
+
+// D = rowsum(dO o O) in fp32, Algorithm 2's preprocessing, in one pass over the 16-bit inputs (the
+// CuPy expression it replaces casts both to fp32 first: three more passes, bwd_pre="cupy"). Eight lanes
+// per row, one 16-byte chunk each per step, summed by shuffles. grid ceil(rows / 32), 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(256)
+fa2_tc_bwd_rowdot(const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
+                  const T* __restrict__ O, long long o_sb, long long o_sh, long long o_sm,     // [B, Hq, Nq, d]
+                  float* __restrict__ Dv,          // [B, Hq, Nq]
+                  int Hq, int Nq, int d, long long rows) {
+    const long long r = (long long)blockIdx.x * 32 + threadIdx.x / 8;
+    float acc = 0.0f;
+    if (r < rows) {
+        const long long bh = r / Nq;
+        const long long i = r % Nq, b = bh / Hq, h = bh % Hq;
+        const T* x = dO + b * do_sb + h * do_sh + i * do_sm;
+        const T* y = O + b * o_sb + h * o_sh + i * o_sm;
+        for (int c = threadIdx.x % 8; c < d / 8; c += 8) {
+            const uint4 u = *reinterpret_cast<const uint4*>(x + 8 * c);
+            const uint4 v = *reinterpret_cast<const uint4*>(y + 8 * c);
+            const unsigned us[4] = {u.x, u.y, u.z, u.w}, vs[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float2 a = Elem<T>::unpack(us[k]), o = Elem<T>::unpack(vs[k]);
+                acc = fmaf(a.x, o.x, fmaf(a.y, o.y, acc));
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 4; m >= 1; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+    if (threadIdx.x % 8 == 0 && r < rows) Dv[r] = acc;
 }

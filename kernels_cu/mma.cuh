@@ -20,11 +20,17 @@ template <> struct Elem<__half> {
         __half2 h = __floats2half2_rn(lo, hi);
         return *reinterpret_cast<unsigned*>(&h);
     }
+    static __device__ __forceinline__ float2 unpack(unsigned u) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&u));
+    }
 };
 template <> struct Elem<__nv_bfloat16> {
     static __device__ __forceinline__ unsigned pack(float lo, float hi) {
         __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
         return *reinterpret_cast<unsigned*>(&h);
+    }
+    static __device__ __forceinline__ float2 unpack(unsigned u) {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
     }
 };
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
-from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
+from sandbox.launch import cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, launch
 from sandbox.registry import Capabilities, Param, Variant, register
 
@@ -59,6 +59,8 @@ class TCConfig:
     bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
     bwd_min_blocks: object = "auto"  # backward column kernel: blocks per SM its registers must allow
     stages: int = 2               # forward copies: 2 one tile ahead of the GEMMs, 1 waited for at once
+    bwd_dq_cols: object = "auto"  # atomic dQ GEMM: columns per pass (at most d), auto: BWD_AUTO_DQ_COLS
+    bwd_pre: str = "kernel"       # D = rowsum(dO o O): "kernel" (fa2_tc_bwd_rowdot) or "cupy" (fp32 casts)
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -107,13 +109,16 @@ class TCConfig:
 
     # backward geometry of the column kernel (kernels_cu/fa2_tc_bwd.cu) by its Q tile Br: (Br, Bc, warps,
     # MK m16 key tiles per warp). Every warp owns 16 query rows of dQ and 16 MK keys.
-    BWD_GEOMETRY = {64: (64, 64, 4, 1), 32: (32, 64, 2, 2)}
+    # 128: 8 warps of 16 keys (Bc = 128, FA2's d = 64 tile): half the dQ atomics and Q / dO reads per key
+    # of Br = 64, one block per SM; d <= 64 only (S^T, dP^T: 128 floats per lane).
+    BWD_GEOMETRY = {64: (64, 64, 4, 1), 32: (32, 64, 2, 2), 128: (128, 128, 8, 1)}
     # auto (H100, bench/results/h100/2026-11-22-bf00f14.md, backward TFLOP/s at d = 64): Br = 64 with 3
     # blocks per SM (168 registers, 84 bytes of spills) 150-176, Br = 32 (2 warps x 32 keys, no spills)
     # 140-165, Br = 64 with 2 blocks (215 registers, no spills) 135-157: the kernel is latency-bound
     # (8 warps per SM), so occupancy beats the spills. d = 128: 255 registers, 2 blocks per SM already.
     BWD_AUTO = {64: 64, 128: 64}
-    BWD_AUTO_MIN_BLOCKS = {64: 3, 128: 1}
+    BWD_AUTO_MIN_BLOCKS = {(64, 64): 3}     # (head dim, Br): blocks per SM; 1 where not listed
+    BWD_AUTO_DQ_COLS = {64: 64, 128: 128}   # head dim: dQ columns per pass
     # the deterministic dQ kernel: Br, Bc, warps
     DQ_BR, DQ_BC, DQ_WARPS = 64, 64, 4
 
@@ -121,12 +126,24 @@ class TCConfig:
         return self.BWD_GEOMETRY[self.BWD_AUTO[D] if self.bwd_block_r == "auto" else self.bwd_block_r]
 
     def bwd_blocks_per_sm(self, D: int) -> int:
-        return self.BWD_AUTO_MIN_BLOCKS[D] if self.bwd_min_blocks == "auto" else self.bwd_min_blocks
+        if self.bwd_min_blocks != "auto":
+            return self.bwd_min_blocks
+        return self.BWD_AUTO_MIN_BLOCKS.get((D, self.bwd_geometry(D)[0]), 1)
+
+    def dq_cols(self, D: int) -> int:
+        return self.BWD_AUTO_DQ_COLS[D] if self.bwd_dq_cols == "auto" else min(self.bwd_dq_cols, D)
 
     def backward_errors(self, D: int) -> list[str]:
         if self.bwd_block_r not in ("auto", *self.BWD_GEOMETRY):
             return [f"bwd_block_r={self.bwd_block_r!r}: auto or one of {sorted(self.BWD_GEOMETRY)}"]
-        warps = self.bwd_geometry(D)[2]
+        if self.bwd_dq_cols not in ("auto", 32, 64, 128):
+            return [f"bwd_dq_cols={self.bwd_dq_cols!r}: auto, 32, 64 or 128"]
+        if self.bwd_pre not in ("kernel", "cupy"):
+            return [f"bwd_pre={self.bwd_pre!r}: 'kernel' or 'cupy'"]
+        br, _, warps, _ = self.bwd_geometry(D)
+        if br == 128 and D > 64:
+            return [f"bwd_block_r=128 keeps 16 x 128 S^T and dP^T tiles per warp beside the dK, dV accumulators "
+                    f"(256 floats per lane at d = {D}); it needs d <= 64"]
         if 32 * warps // (D // 8) % 8:          # load_tile_async: each thread keeps one 16-byte chunk column
             return [f"bwd_block_r={self.bwd_block_r} runs {warps} warps, too few to copy rows of d = {D} in "
                     "steps of 8; it needs d <= 64"]
@@ -136,7 +153,12 @@ class TCConfig:
         """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
         br, bc, warps, mk = self.bwd_geometry(D)
         return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_blocks_per_sm(D)}, "
-                f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
+                f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}, "
+                f"{D if self.deterministic else self.dq_cols(D)}>")
+
+    @staticmethod
+    def rowdot_name(dtype: str) -> str:
+        return f"fa2_tc_bwd_rowdot<{CTYPE[dtype]}>"
 
     def dq_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The deterministic backward's row-parallel dQ kernel."""
@@ -152,6 +174,7 @@ class TCConfig:
 
     def backward_unit(self, dtype: str, D: int) -> CompileUnit:
         smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in (False, True)}
+        smem[self.rowdot_name(dtype)] = 0
         if self.deterministic:
             smem.update({self.dq_name(dtype, D, drop): self.dq_smem(D) for drop in (False, True)})
         return CompileUnit("fa2_tc_bwd.cu", tuple(smem), cuda_options(), smem,
@@ -209,9 +232,9 @@ class FA2TensorCore:
             self.name = "fa2-tc-deterministic"
 
     def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
-                  bwd_block_r="auto", bwd_min_blocks="auto", stages=2):
+                  bwd_block_r="auto", bwd_min_blocks="auto", stages=2, bwd_dq_cols="auto", bwd_pre="kernel"):
         return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r,
-                        bwd_min_blocks, stages)
+                        bwd_min_blocks, stages, bwd_dq_cols, bwd_pre)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -256,16 +279,23 @@ class FA2TensorCore:
     has_backward = True
 
     def backward(self, p, dout, q, k, v, out, lse, config):
-        """FA2 Algorithm 2: D = rowsum(dO o O) (CuPy, fp32), then one block per K/V tile. dQ: fp32
+        """FA2 Algorithm 2: D = rowsum(dO o O) (fa2_tc_bwd_rowdot), then one block per K/V tile. dQ: fp32
         atomics cast to the input dtype at the end, or with `deterministic` a row-parallel dQ kernel
         that adds the K/V tiles in a fixed order (and the column kernel leaves dQ alone)."""
         import cupy as xp
-        for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
+        for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
             check_alignment(x, nm, self.name)
         D, dropout = d_pad(p.d), p.dropout_p > 0
         unit = config.backward_unit(p.dtype, D)
         name = config.backward_name(p.dtype, D, dropout)
-        Dv = xp.sum(arrays.to_float32(dout, xp) * arrays.to_float32(out, xp), axis=-1)
+        if config.bwd_pre == "cupy":
+            Dv = xp.sum(arrays.to_float32(dout, xp) * arrays.to_float32(out, xp), axis=-1)
+        else:
+            Dv = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+            rows = p.B * p.Hq * p.Nq
+            launch(unit, config.rowdot_name(p.dtype), (-(-rows // 32),), (256,),
+                   (dout, *strides4(dout)[:3], out, *strides4(out)[:3], Dv, i32(p.Hq), i32(p.Nq), i32(p.d),
+                    i64(rows)))
         # the atomic path accumulates in fp32; the deterministic column kernel never reads its dQ
         dq = xp.zeros((p.B, p.Hq, p.Nq, p.d) if not config.deterministic else (1,), dtype=xp.float32)
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
@@ -327,11 +357,17 @@ PARAMS = (
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
     Param("stages", (1, 2), 2, "forward copy pipeline: 2, V_j during S = Q K_j^T and K_{j+1} during softmax and "
           "P V_j (the flash-attn order); 1, each tile's copies waited for before its GEMMs (the rung below)"),
-    Param("bwd_block_r", ("auto", 32, 64), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 warps "
-          "of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64); auto: TCConfig.BWD_AUTO per head dim"),
+    Param("bwd_block_r", ("auto", 32, 64, 128), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 "
+          "warps of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64), 128: 8 warps of 16 keys (Bc = 128, d <= 64); "
+          "auto: TCConfig.BWD_AUTO per head dim"),
     Param("bwd_min_blocks", ("auto", 1, 2, 3), "auto", "backward column kernel: blocks per SM the register "
           "allocation must allow (__launch_bounds__): more warps in flight, spills past the kernel's need; auto: "
-          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim (3 at d = 64)"),
+          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim and Br (3 at d = 64, Br = 64)"),
+    Param("bwd_dq_cols", ("auto", 32, 64, 128), "auto", "atomic backward: dQ columns per pass of the dS K GEMM "
+          "(at most d): fewer live accumulators, the dS fragments read once per pass; auto: "
+          "TCConfig.BWD_AUTO_DQ_COLS per head dim"),
+    Param("bwd_pre", ("kernel", "cupy"), "kernel", "backward preprocessing D = rowsum(dO o O): one kernel over the "
+          "16-bit inputs (fa2_tc_bwd_rowdot), or the CuPy expression with fp32 casts (the rung below)"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
