@@ -14,13 +14,13 @@
 //
 // Kernels
 //   fa2_tc_bwd_rowdot<T>   grid ceil(B*Hq*Nq / 32), 256 threads: the preprocessing D = rowsum(dO o O), fp32.
-//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ, DQC>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
-//       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and 16 query rows of dQ
-//       (BR = 16 WARPS). MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
+//   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
+//       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and a 16-row block of dQ:
+//       BR / 16 row groups, and where the warps outnumber them (BR = 64, BC = 128: 8 warps) each row
+//       group's columns split between WARPS / (BR / 16) warps. MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
 //       (each fragment feeds two m16 key tiles) at the price of twice the dK, dV accumulators.
 //       Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
 //       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
-//       DQC: dQ columns per pass of the dQ GEMM (DQC / 2 fp32 accumulators per lane at a time).
 //   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
 //       row-parallel like the forward (split-Q, 16 rows per warp): per K/V tile it recomputes
 //       S = Q K^T and dP = dO V^T, forms dS in registers and adds dS K (A from the dS registers, K
@@ -68,7 +68,7 @@ __device__ __forceinline__ int ds_chunk(int row, int chunk) {
 
 // ---- kernels
 
-template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ, int DQC>
+template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
            const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
@@ -86,8 +86,10 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     constexpr int NQ = BR / 8;          // n8 tiles of S^T (queries)
     constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
-    static_assert(BC == 16 * MK * WARPS && BR == 16 * WARPS, "16 MK keys and 16 query rows per warp");
-    static_assert(DQC % 16 == 0 && D % DQC == 0, "dQ in passes of DQC columns, a multiple of 16 dividing D");
+    constexpr int RG = BR / 16;         // dQ row groups of 16
+    constexpr int DQC = D * RG / WARPS; // dQ columns per warp
+    static_assert(BC == 16 * MK * WARPS && BR % 16 == 0 && WARPS % RG == 0, "16 MK keys per warp, 16-row dQ groups");
+    static_assert(DQC % 16 == 0, "each warp's dQ columns: whole ldmatrix.x4.trans steps");
     extern __shared__ __align__(1024) uint4 smem_u4[];
     T* sK = reinterpret_cast<T*>(smem_u4);   // [BC][D] swizzled
     T* sV = sK + BC * D;                      // [BC][D]
@@ -102,7 +104,8 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, r7 = lane & 7;
     const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
-    const int col0 = tc * BC, wkey = warp * 16 * MK, wq = warp * 16, dch = d / 8;
+    const int rg = warp % RG, wdq = (warp / RG) * (DQC / 8);   // this warp's dQ row group, first n8 column tile
+    const int col0 = tc * BC, wkey = warp * 16 * MK, wq = rg * 16, dch = d / 8;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
     const float scale_log2 = scale * LOG2E_F;
 
@@ -116,8 +119,8 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     // the base cost the D = 128 kernel 48 more bytes of spills (NVRTC 13, sm_90; 255 registers either way).
     const int dsr = (lane / 16) * 8 + r7;
     const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) +
-                         (ds_chunk<BR>(dsr, (BR >= 64 ? 0 : 2 * warp) + ((lane / 8) & 1)) << 4);
-    const unsigned dsT_warp = BR >= 64 ? dsT ^ (warp << 5) : dsT;
+                         (ds_chunk<BR>(dsr, (BR >= 64 ? 0 : 2 * rg) + ((lane / 8) & 1)) << 4);
+    const unsigned dsT_warp = BR >= 64 ? dsT ^ (rg << 5) : dsT;
 
     load_tile_async<T, BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
     load_tile_async<T, BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
@@ -208,40 +211,37 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                         Elem<T>::pack(dp[mk][n][2 * hr], dp[mk][n][2 * hr + 1]);
                 }
             __syncthreads();
-            // dQ rows wq..wq+15 += scale dS K: A = dS (queries x keys) by ldmatrix.trans of dS^T, in passes of
-            // DQC columns (DQC / 8 n8 tiles: DQC / 2 accumulators per lane live at once)
+            // dQ rows wq..wq+15, columns 8 wdq .. 8 wdq + DQC - 1 += scale dS K: A = dS (queries x keys) by
+            // ldmatrix.trans of dS^T, B = K by ldmatrix.trans
             const bool odd = tq & 1;
             const int i = row0 + wq + g + (odd ? 8 : 0);
             float* row = dQ + ((long long)bh * Nq + min(i, Nq - 1)) * d + 4 * (tq / 2);
+            float dq[1][DQC / 8][4];
 #pragma unroll
-            for (int c0 = 0; c0 < ND; c0 += DQC / 8) {
-                float dq[1][DQC / 8][4];
+            for (int n = 0; n < DQC / 8; ++n)
 #pragma unroll
-                for (int n = 0; n < DQC / 8; ++n)
+                for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) dq[0][n][e] = 0.0f;
+            for (int kk = 0; kk < BC / 16; ++kk) {
+                unsigned a[4];
+                ldmatrix_x4_trans(a, dsT_warp + kk * 16 * (BR * 2));
 #pragma unroll
-                for (int kk = 0; kk < BC / 16; ++kk) {
-                    unsigned a[4];
-                    ldmatrix_x4_trans(a, dsT_warp + kk * 16 * (BR * 2));
-#pragma unroll
-                    for (int dp2 = 0; dp2 < DQC / 16; ++dp2) {
-                        unsigned bk[4];
-                        ldmatrix_x4_trans(bk, (kT ^ ((c0 / 2 + dp2) << 5)) + kk * 16 * (D * 2));
-                        mma_16816<T>(dq[0][2 * dp2], a, bk);
-                        mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
-                    }
+                for (int dp2 = 0; dp2 < DQC / 16; ++dp2) {
+                    unsigned bk[4];
+                    ldmatrix_x4_trans(bk, (kT ^ ((wdq / 2 + dp2) << 5)) + kk * 16 * (D * 2));
+                    mma_16816<T>(dq[0][2 * dp2], a, bk);
+                    mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
                 }
-                // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
-                // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
+            }
+            // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
+            // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
 #pragma unroll
-                for (int n = 0; n < DQC / 8; ++n) {
-                    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
-                    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
-                    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
-                                         : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
-                    if (i < Nq && (c0 + n) * 8 + 4 * (tq / 2) < d) add_quad(row + (c0 + n) * 8, v);
-                }
+            for (int n = 0; n < DQC / 8; ++n) {
+                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
+                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
+                const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
+                                     : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
+                if (i < Nq && (wdq + n) * 8 + 4 * (tq / 2) < d) add_quad(row + (wdq + n) * 8, v);
             }
         }
     }

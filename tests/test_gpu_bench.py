@@ -64,3 +64,17 @@ def test_cupy_standard_baseline_matches_the_oracle(causal):
     out = baselines.cupy_standard_attention(*(cp.asarray(x) for x in (q, k, v)), causal=causal)
     ref, _ = oracle.forward(q, k, v, causal=causal)
     np.testing.assert_allclose(out.get().astype(np.float64), ref, atol=2e-2)
+
+
+def test_sdpa_backward_baseline_times_the_backward_alone():
+    """The grid's backward rows divide 2.5x the forward FLOPs by the time: SDPA's backward callable must
+    not run a forward (it did until 2026-11-22). Forward + backward takes longer than backward alone by
+    about the forward's time, a quarter of the total or more at this size."""
+    from sandbox import baselines
+    from sandbox.timing import time_fn
+    args = (4, 16, 2048, 2048, 64)
+    fns = {dr: baselines.sdpa("flash", *args, direction=dr) for dr in ("forward", "backward", "both")}
+    if any(f is None for f in fns.values()):
+        pytest.skip("no SDPA flash backend here")
+    t = {dr: time_fn(f, reps=10).median_ms for dr, f in fns.items()}
+    assert t["backward"] < t["both"] - 0.5 * t["forward"], t

@@ -167,9 +167,13 @@ def test_parameter_sweep_matches_oracle(name, direction):
     check()
 
 
-@pytest.mark.parametrize("spec", ["fa2-tc:split=k+block_r=32+block_c=64", "fa2-tc:split=k+block_r=32+block_c=128"])
-def test_split_k_at_head_dim_128_matches_oracle(spec):
-    """The sweep runs at d <= 64; split-K's d = 128 configs (Br = 32: 128 accumulators per lane) here."""
+@pytest.mark.parametrize("spec,direction", [("fa2-tc:split=k+block_r=32+block_c=64", "forward"),
+                                            ("fa2-tc:split=k+block_r=32+block_c=128", "forward"),
+                                            ("fa2-tc:bwd_block_c=128", "backward"),
+                                            ("fa2-tc-deterministic:bwd_block_c=128", "backward")])
+def test_head_dim_128_configs_match_oracle(spec, direction):
+    """The sweep runs at d <= 64; configs whose d = 128 kernels differ here: split-K's (Br = 32: 128
+    accumulators per lane) and the 8-warp backward tile (Br = 64, Bc = 128: two warps per dQ row group)."""
     from hypothesis import strategies as st
     from sandbox.registry import parse_spec
     name, params = parse_spec(spec)
@@ -178,7 +182,7 @@ def test_split_k_at_head_dim_128_matches_oracle(spec):
     @given(st.sampled_from(bound.variant.caps.dtypes), st.data())
     def check(dtype, data):
         case = data.draw(fuzz.cases(bound, dtype, fuzz.Limits(dims=(72, 128))))
-        fuzz.assert_case(bound, case, "forward")
+        fuzz.assert_case(bound, case, direction)
 
     check()
 

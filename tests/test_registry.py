@@ -185,11 +185,11 @@ def test_fa2_tc_deterministic_backward_names_its_kernels():
     module; fa2-tc's module holds the atomic column kernel only. Both hold the D = rowsum(dO o O) kernel."""
     atomic = sandbox.get_variant("fa2-tc").config.backward_unit("float16", 64)
     det = sandbox.get_variant("fa2-tc-deterministic").config.backward_unit("bfloat16", 128)
-    assert atomic.names == ("fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, false, true, 64>",
-                            "fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, true, true, 64>",
+    assert atomic.names == ("fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, false, true>",
+                            "fa2_tc_bwd<__half, 64, 64, 64, 4, 1, 3, 10, true, true>",
                             "fa2_tc_bwd_rowdot<__half>")
-    assert det.names == ("fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, false, false, 128>",
-                         "fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, true, false, 128>",
+    assert det.names == ("fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, false, false>",
+                         "fa2_tc_bwd<__nv_bfloat16, 128, 64, 64, 4, 1, 1, 10, true, false>",
                          "fa2_tc_bwd_rowdot<__nv_bfloat16>",
                          "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, false>",
                          "fa2_tc_bwd_dq<__nv_bfloat16, 128, 64, 64, 4, 10, true>")
@@ -201,13 +201,13 @@ def test_fa2_tc_backward_geometry():
     from variants.fa2_tc import TCConfig
     c = TCConfig(bwd_block_r=32, bwd_min_blocks=1)
     assert c.bwd_geometry(64) == (32, 64, 2, 2) and c.backward_errors(64) == []
-    assert c.backward_name("float16", 64, True) == "fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 1, 10, true, true, 64>"
+    assert c.backward_name("float16", 64, True) == "fa2_tc_bwd<__half, 64, 32, 64, 2, 2, 1, 10, true, true>"
     assert TCConfig().bwd_blocks_per_sm(64) == 3 and TCConfig().bwd_blocks_per_sm(128) == 1
     assert c.backward_smem(64) == 2 * (2 * 64 * 64 + 4 * 32 * 64 + 64 * 32) + 4 * 4 * 32
     assert "d <= 64" in c.backward_errors(128)[0]
     wide = TCConfig(bwd_block_r=128)       # 8 warps x 16 keys, one block per SM unless asked
     assert wide.bwd_geometry(64) == (128, 128, 8, 1) and wide.backward_errors(64) == []
-    assert wide.backward_name("float16", 64, False) == "fa2_tc_bwd<__half, 64, 128, 128, 8, 1, 1, 10, false, true, 64>"
+    assert wide.backward_name("float16", 64, False) == "fa2_tc_bwd<__half, 64, 128, 128, 8, 1, 1, 10, false, true>"
     assert "d <= 64" in wide.backward_errors(128)[0]
     q, k, v = qkv(d=128, dtype=np.float16)
     bound = sandbox.get_variant("fa2-tc", bwd_block_r=32)
@@ -230,14 +230,15 @@ def test_fa2_tc_rejects_rows_cp_async_cannot_copy():
         check_alignment(shifted, "k")
 
 
-def test_fa2_tc_backward_dq_passes_and_preprocessing():
-    """bwd_dq_cols: the dQ GEMM's columns per pass, at most d (128 at d = 64 is the one-pass kernel);
-    bwd_pre picks the D = rowsum(dO o O) path; anything else is rejected before launch."""
+def test_fa2_tc_backward_tiles_and_preprocessing():
+    """bwd_block_c: Bc = 128 runs 8 warps (Br = 64: two warps per 16-row dQ group); pairs outside
+    BWD_GEOMETRY and tiles whose accumulators cannot fit are rejected before launch, as is a bad bwd_pre."""
     from variants.fa2_tc import TCConfig
-    assert TCConfig(bwd_dq_cols=32).backward_name("float16", 128, False).endswith("false, true, 32>")
-    assert TCConfig(bwd_dq_cols=128).dq_cols(64) == 64 == TCConfig().dq_cols(64)
-    assert TCConfig(bwd_dq_cols=48).backward_errors(64) and TCConfig(bwd_pre="numpy").backward_errors(64)
-    assert TCConfig(bwd_pre="cupy").backward_errors(128) == []
-    # the deterministic column kernel has no dQ GEMM: one name whatever bwd_dq_cols says
-    det = sandbox.get_variant("fa2-tc-deterministic", bwd_dq_cols=32).config
-    assert det.backward_name("float16", 128, False).endswith("false, false, 128>")
+    wide = TCConfig(bwd_block_c=128)
+    assert wide.bwd_geometry(128) == (64, 128, 8, 1) and wide.backward_errors(128) == []
+    assert wide.backward_name("float16", 128, False) == "fa2_tc_bwd<__half, 128, 64, 128, 8, 1, 1, 10, false, true>"
+    assert wide.backward_smem(128) == 2 * (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) + 4 * 4 * 64
+    assert "one of" in TCConfig(bwd_block_r=128, bwd_block_c=64).backward_errors(64)[0]
+    assert "one of" in TCConfig(bwd_block_r=32, bwd_block_c=128).backward_errors(64)[0]
+    assert TCConfig(bwd_block_r=64).bwd_blocks_per_sm(64) == 3 and wide.bwd_blocks_per_sm(64) == 1
+    assert TCConfig(bwd_pre="numpy").backward_errors(64) and TCConfig(bwd_pre="cupy").backward_errors(128) == []

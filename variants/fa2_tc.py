@@ -56,11 +56,11 @@ class TCConfig:
     philox_rounds: int = 10
     split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
-    bwd_block_r: object = "auto"  # backward Q tile: a key in BWD_GEOMETRY, or auto (BWD_AUTO per head dim)
+    bwd_block_r: object = "auto"  # backward Q tile Br and K/V tile Bc: a pair in BWD_GEOMETRY, or auto
     bwd_min_blocks: object = "auto"  # backward column kernel: blocks per SM its registers must allow
     stages: int = 2               # forward copies: 2 one tile ahead of the GEMMs, 1 waited for at once
-    bwd_dq_cols: object = "auto"  # atomic dQ GEMM: columns per pass (at most d), auto: BWD_AUTO_DQ_COLS
     bwd_pre: str = "kernel"       # D = rowsum(dO o O): "kernel" (fa2_tc_bwd_rowdot) or "cupy" (fp32 casts)
+    bwd_block_c: object = "auto"  # backward K/V tile Bc: auto (BWD_AUTO, or BWD_AUTO_BC of a given Br)
 
     # block_c="auto": the fastest Bc whose kernels compile without spills for sm_80 and sm_90 (NVRTC 13;
     # Br=128, 4 warps). D=64: Bc=64; Bc=128 ran 6-10% faster on the H100 (block_c=128) but spills
@@ -107,54 +107,57 @@ class TCConfig:
             return tiles
         return max(tiles, 4 * self.block_r * (D + 8 + 4)) + 4 * self.warps * self.block_r
 
-    # backward geometry of the column kernel (kernels_cu/fa2_tc_bwd.cu) by its Q tile Br: (Br, Bc, warps,
-    # MK m16 key tiles per warp). Every warp owns 16 query rows of dQ and 16 MK keys.
-    # 128: 8 warps of 16 keys (Bc = 128, FA2's d = 64 tile): half the dQ atomics and Q / dO reads per key
-    # of Br = 64, one block per SM; d <= 64 only (S^T, dP^T: 128 floats per lane).
-    BWD_GEOMETRY = {64: (64, 64, 4, 1), 32: (32, 64, 2, 2), 128: (128, 128, 8, 1)}
+    # backward geometry of the column kernel (kernels_cu/fa2_tc_bwd.cu), (Br, Bc) -> (warps, MK m16 key tiles
+    # per warp): every warp owns 16 MK keys and a 16-row block of dQ (Br = 64, Bc = 128: half its columns).
+    # Bc = 128 (FA2's tile at d = 64): half the dQ atomics and Q / dO reads per key of Bc = 64, 8 warps.
+    BWD_GEOMETRY = {(64, 64): (4, 1), (32, 64): (2, 2), (128, 128): (8, 1), (64, 128): (8, 1)}
     # auto (H100, bench/results/h100/2026-11-22-bf00f14.md, backward TFLOP/s at d = 64): Br = 64 with 3
     # blocks per SM (168 registers, 84 bytes of spills) 150-176, Br = 32 (2 warps x 32 keys, no spills)
     # 140-165, Br = 64 with 2 blocks (215 registers, no spills) 135-157: the kernel is latency-bound
     # (8 warps per SM), so occupancy beats the spills. d = 128: 255 registers, 2 blocks per SM already.
-    BWD_AUTO = {64: 64, 128: 64}
-    BWD_AUTO_MIN_BLOCKS = {(64, 64): 3}     # (head dim, Br): blocks per SM; 1 where not listed
-    BWD_AUTO_DQ_COLS = {64: 64, 128: 128}   # head dim: dQ columns per pass
+    BWD_AUTO = {64: (64, 64), 128: (64, 64)}
+    BWD_AUTO_BC = {32: 64, 64: 64, 128: 128}           # Bc when only Br is given
+    BWD_AUTO_MIN_BLOCKS = {(64, 64, 64): 3}            # (head dim, Br, Bc): blocks per SM; 1 where not listed
+    # S^T, dP^T, dK and dV accumulators per lane: MK (Br + d) floats; past 192 the kernel cannot hold them
+    BWD_MAX_ACC = 192
     # the deterministic dQ kernel: Br, Bc, warps
     DQ_BR, DQ_BC, DQ_WARPS = 64, 64, 4
 
+    def bwd_tile(self, D: int) -> tuple[int, int]:
+        """(Br, Bc) of the column kernel at head dim D (padded)."""
+        if self.bwd_block_r == "auto":
+            br = self.BWD_AUTO[D][0]
+            return br, self.BWD_AUTO[D][1] if self.bwd_block_c == "auto" else self.bwd_block_c
+        return self.bwd_block_r, self.BWD_AUTO_BC.get(self.bwd_block_r) if self.bwd_block_c == "auto" else self.bwd_block_c
+
     def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
-        return self.BWD_GEOMETRY[self.BWD_AUTO[D] if self.bwd_block_r == "auto" else self.bwd_block_r]
+        br, bc = self.bwd_tile(D)
+        return (br, bc, *self.BWD_GEOMETRY[(br, bc)])
 
     def bwd_blocks_per_sm(self, D: int) -> int:
         if self.bwd_min_blocks != "auto":
             return self.bwd_min_blocks
-        return self.BWD_AUTO_MIN_BLOCKS.get((D, self.bwd_geometry(D)[0]), 1)
-
-    def dq_cols(self, D: int) -> int:
-        return self.BWD_AUTO_DQ_COLS[D] if self.bwd_dq_cols == "auto" else min(self.bwd_dq_cols, D)
+        return self.BWD_AUTO_MIN_BLOCKS.get((D, *self.bwd_tile(D)), 1)
 
     def backward_errors(self, D: int) -> list[str]:
-        if self.bwd_block_r not in ("auto", *self.BWD_GEOMETRY):
-            return [f"bwd_block_r={self.bwd_block_r!r}: auto or one of {sorted(self.BWD_GEOMETRY)}"]
-        if self.bwd_dq_cols not in ("auto", 32, 64, 128):
-            return [f"bwd_dq_cols={self.bwd_dq_cols!r}: auto, 32, 64 or 128"]
         if self.bwd_pre not in ("kernel", "cupy"):
             return [f"bwd_pre={self.bwd_pre!r}: 'kernel' or 'cupy'"]
-        br, _, warps, _ = self.bwd_geometry(D)
-        if br == 128 and D > 64:
-            return [f"bwd_block_r=128 keeps 16 x 128 S^T and dP^T tiles per warp beside the dK, dV accumulators "
-                    f"(256 floats per lane at d = {D}); it needs d <= 64"]
+        if self.bwd_tile(D) not in self.BWD_GEOMETRY:
+            return [f"bwd_block_r={self.bwd_block_r!r}, bwd_block_c={self.bwd_block_c!r}: (Br, Bc) one of "
+                    f"{sorted(self.BWD_GEOMETRY)}"]
+        br, bc, warps, mk = self.bwd_geometry(D)
+        if mk * (br + D) > self.BWD_MAX_ACC:
+            return [f"bwd_block_r={br}, bwd_block_c={bc} keeps {mk * (br + D)} accumulator floats per lane at d = {D} "
+                    f"(limit {self.BWD_MAX_ACC}); it needs d <= {self.BWD_MAX_ACC // mk - br}"]
         if 32 * warps // (D // 8) % 8:          # load_tile_async: each thread keeps one 16-byte chunk column
-            return [f"bwd_block_r={self.bwd_block_r} runs {warps} warps, too few to copy rows of d = {D} in "
-                    "steps of 8; it needs d <= 64"]
+            return [f"bwd_block_r={br} runs {warps} warps, too few to copy rows of d = {D} in steps of 8"]
         return []
 
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
         """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
         br, bc, warps, mk = self.bwd_geometry(D)
         return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_blocks_per_sm(D)}, "
-                f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}, "
-                f"{D if self.deterministic else self.dq_cols(D)}>")
+                f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
 
     @staticmethod
     def rowdot_name(dtype: str) -> str:
@@ -232,9 +235,9 @@ class FA2TensorCore:
             self.name = "fa2-tc-deterministic"
 
     def configure(self, block_r=128, block_c="auto", warps=4, min_blocks=1, philox_rounds=10, split="q",
-                  bwd_block_r="auto", bwd_min_blocks="auto", stages=2, bwd_dq_cols="auto", bwd_pre="kernel"):
+                  bwd_block_r="auto", bwd_min_blocks="auto", stages=2, bwd_pre="kernel", bwd_block_c="auto"):
         return TCConfig(block_r, block_c, warps, min_blocks, philox_rounds, split, self.deterministic, bwd_block_r,
-                        bwd_min_blocks, stages, bwd_dq_cols, bwd_pre)
+                        bwd_min_blocks, stages, bwd_pre, bwd_block_c)
 
     def to_backend(self, x, name="array"):
         return arrays.to_device(x, name)
@@ -357,15 +360,14 @@ PARAMS = (
           "accumulators per warp: Br = 64 at d <= 64, 32 at d = 128)"),
     Param("stages", (1, 2), 2, "forward copy pipeline: 2, V_j during S = Q K_j^T and K_{j+1} during softmax and "
           "P V_j (the flash-attn order); 1, each tile's copies waited for before its GEMMs (the rung below)"),
-    Param("bwd_block_r", ("auto", 32, 64, 128), "auto", "backward column kernel: Q tile rows (16 per warp); 32: 2 "
-          "warps of 32 keys (Bc = 64), 64: 4 warps of 16 keys (Bc = 64), 128: 8 warps of 16 keys (Bc = 128, d <= 64); "
-          "auto: TCConfig.BWD_AUTO per head dim"),
+    Param("bwd_block_r", ("auto", 32, 64, 128), "auto", "backward column kernel: Q tile rows Br; with Bc "
+          "(bwd_block_c) one of TCConfig.BWD_GEOMETRY: (32, 64) 2 warps of 32 keys, (64, 64) 4 warps of 16 keys, "
+          "(64, 128) and (128, 128) 8 warps of 16 keys; auto: TCConfig.BWD_AUTO per head dim"),
+    Param("bwd_block_c", ("auto", 64, 128), "auto", "backward column kernel: keys per block Bc; auto: with bwd_block_r "
+          "auto TCConfig.BWD_AUTO, else TCConfig.BWD_AUTO_BC of that Br"),
     Param("bwd_min_blocks", ("auto", 1, 2, 3), "auto", "backward column kernel: blocks per SM the register "
           "allocation must allow (__launch_bounds__): more warps in flight, spills past the kernel's need; auto: "
-          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim and Br (3 at d = 64, Br = 64)"),
-    Param("bwd_dq_cols", ("auto", 32, 64, 128), "auto", "atomic backward: dQ columns per pass of the dS K GEMM "
-          "(at most d): fewer live accumulators, the dS fragments read once per pass; auto: "
-          "TCConfig.BWD_AUTO_DQ_COLS per head dim"),
+          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim and tile (3 at d = 64, Br = Bc = 64)"),
     Param("bwd_pre", ("kernel", "cupy"), "kernel", "backward preprocessing D = rowsum(dO o O): one kernel over the "
           "16-bit inputs (fa2_tc_bwd_rowdot), or the CuPy expression with fp32 casts (the rung below)"),
 )
