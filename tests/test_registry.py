@@ -236,6 +236,8 @@ def test_fa2_tc_backward_tiles_and_preprocessing():
     from variants.fa2_tc import TCConfig
     wide = TCConfig(bwd_block_c=128)
     assert wide.bwd_geometry(128) == (64, 128, 8, 1) and wide.backward_errors(128) == []
+    assert TCConfig().bwd_geometry(128) == (64, 128, 8, 1)                      # auto: the atomic d = 128 tile
+    assert TCConfig(deterministic=True).bwd_geometry(128) == (64, 64, 4, 1)   # its column kernel: Bc = 64
     assert wide.backward_name("float16", 128, False) == "fa2_tc_bwd<__half, 128, 64, 128, 8, 1, 1, 10, false, true>"
     assert wide.backward_smem(128) == 2 * (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) + 4 * 4 * 64
     assert "one of" in TCConfig(bwd_block_r=128, bwd_block_c=64).backward_errors(64)[0]

@@ -111,11 +111,15 @@ class TCConfig:
     # per warp): every warp owns 16 MK keys and a 16-row block of dQ (Br = 64, Bc = 128: half its columns).
     # Bc = 128 (FA2's tile at d = 64): half the dQ atomics and Q / dO reads per key of Bc = 64, 8 warps.
     BWD_GEOMETRY = {(64, 64): (4, 1), (32, 64): (2, 2), (128, 128): (8, 1), (64, 128): (8, 1)}
-    # auto (H100, bench/results/h100/2026-11-22-bf00f14.md, backward TFLOP/s at d = 64): Br = 64 with 3
-    # blocks per SM (168 registers, 84 bytes of spills) 150-176, Br = 32 (2 warps x 32 keys, no spills)
-    # 140-165, Br = 64 with 2 blocks (215 registers, no spills) 135-157: the kernel is latency-bound
-    # (8 warps per SM), so occupancy beats the spills. d = 128: 255 registers, 2 blocks per SM already.
-    BWD_AUTO = {64: (64, 64), 128: (64, 64)}
+    # auto, (head dim, deterministic) -> (Br, Bc), H100 (bench/results/h100/):
+    # d = 64 (2026-11-22-bf00f14.md): Br = 64 with 3 blocks per SM (168 registers, 84 bytes of spills)
+    # 150-176 TFLOP/s, Br = 32 (2 warps x 32 keys, no spills) 140-165, Br = 64 with 2 blocks (215 registers,
+    # no spills) 135-157: the kernel is latency-bound (8 warps per SM), so occupancy beats the spills. Bc =
+    # 128 (8 warps, 211 registers, one block per SM) 157-170 and Br = Bc = 128 165-181 against 172-184
+    # (non-causal, 2026-11-22-6ae585e.md). d = 128 (6ae585e): Bc = 128 (255 registers, no spills on sm_90)
+    # 195-212 against Bc = 64's 168-185 (non-causal), fwd + bwd 0.75-0.86x SDPA flash against 0.67-0.84x; the deterministic
+    # column kernel (no dQ) runs slower with it (189 against 194 at N = 16k) and keeps Bc = 64.
+    BWD_AUTO = {(64, False): (64, 64), (128, False): (64, 128), (64, True): (64, 64), (128, True): (64, 64)}
     BWD_AUTO_BC = {32: 64, 64: 64, 128: 128}           # Bc when only Br is given
     BWD_AUTO_MIN_BLOCKS = {(64, 64, 64): 3}            # (head dim, Br, Bc): blocks per SM; 1 where not listed
     # S^T, dP^T, dK and dV accumulators per lane: MK (Br + d) floats; past 192 the kernel cannot hold them
@@ -126,8 +130,8 @@ class TCConfig:
     def bwd_tile(self, D: int) -> tuple[int, int]:
         """(Br, Bc) of the column kernel at head dim D (padded)."""
         if self.bwd_block_r == "auto":
-            br = self.BWD_AUTO[D][0]
-            return br, self.BWD_AUTO[D][1] if self.bwd_block_c == "auto" else self.bwd_block_c
+            br, bc = self.BWD_AUTO[(D, self.deterministic)]
+            return br, bc if self.bwd_block_c == "auto" else self.bwd_block_c
         return self.bwd_block_r, self.BWD_AUTO_BC.get(self.bwd_block_r) if self.bwd_block_c == "auto" else self.bwd_block_c
 
     def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
@@ -262,7 +266,8 @@ class FA2TensorCore:
              (64, 64, 4, 1, "k"), (32, 64, 4, 1, "k")}
 
     # The backward's default is not marked tuned: at D = 64 it trades 48-84 bytes of spills for 3 blocks
-    # per SM (measured faster, TCConfig.BWD_AUTO); at D = 128 the column kernel spills 16-72 bytes (255
+    # per SM (measured faster, TCConfig.BWD_AUTO); at D = 128 the atomic column kernel (Bc = 128) compiles
+    # clean for sm_90 but spills 40-76 bytes for sm_80, the deterministic one (Bc = 64) 16-72 bytes (255
     # registers: the dK and dV accumulators alone take 128). bwd_block_r=32 at D = 64 compiles clean.
     BWD_TUNED_DIMS = ()
 
