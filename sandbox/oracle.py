@@ -148,8 +148,8 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
     D_abs = np.sum(np.abs(dout * out), axis=-1, keepdims=True)
     ds_abs = p * (dp_abs + D_abs)
     B, _, Nk, d = kr.shape
-    dq = scale * np.einsum("bhij,bhjd->bhid", ds_abs, np.abs(kr))
-    dk = (scale * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)
+    dq = abs(scale) * np.einsum("bhij,bhjd->bhid", ds_abs, np.abs(kr))
+    dk = (abs(scale) * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)
     dv = np.einsum("bhij,bhid->bhjd", pd, np.abs(dout)).reshape(B, Hkv, g, Nk, d).sum(2)
     vmax = float(np.abs(vr).max()) * (float(np.max(zz)) if z is not None else 1.0)
     amplify = 1.0 + s_abs

@@ -120,11 +120,14 @@ def test_bfloat16_rounding_is_nearest_even():
     assert round_to(1 + 2**-8 + 2**-12, "bfloat16") == 1 + 2**-7
 
 
-def test_gradient_term_bounds_dominate_the_gradients():
+@pytest.mark.parametrize("scale", [None, -0.7])
+def test_gradient_term_bounds_dominate_the_gradients(scale):
+    """Bounds on magnitudes: a negative scale must not turn them negative (it did for dq and dk until
+    2026-11-22, found by the GPU sweep at Nq = Nk = 1 where the gradients are rounding noise)."""
     rng = np.random.default_rng(7)
     q, k, v, dout = rand(rng, 1, 2, 5, 3), rand(rng, 1, 1, 6, 3), rand(rng, 1, 1, 6, 3), rand(rng, 1, 2, 5, 3)
-    grads = oracle.backward(dout, q, k, v, causal=True, dropout_p=0.3, seed=1)
-    bounds = oracle.term_bounds(dout, q, k, v, causal=True, dropout_p=0.3, seed=1)
+    grads = oracle.backward(dout, q, k, v, causal=True, dropout_p=0.3, seed=1, scale=scale)
+    bounds = oracle.term_bounds(dout, q, k, v, causal=True, dropout_p=0.3, seed=1, scale=scale)
     for g, b in zip(grads, (bounds["dq"], bounds["dk"], bounds["dv"])):
         assert np.abs(g).max() <= b * (1 + 1e-12)
 
