@@ -36,8 +36,13 @@
 // 215 registers, 58 KB of shared memory), issue slots 32% busy, tensor pipe 24%, L1 59%. So MK = 2
 // (2 warps x 32 keys), which halves the operand reads and was predicted up to 40% faster if shared
 // memory were the limit, bought 3-7%, while MINB = 3 (168 registers, 84 bytes of spills, 12 warps
-// per SM) bought 11-13%: the d = 64 default (variants/fa2_tc.py, TCConfig.BWD_AUTO*). Next rung: fewer
-// registers per warp at 8 warps per block (FA2's 2-D warp layouts), so occupancy comes without spills.
+// per SM) bought 11-13%: the d = 64 default (variants/fa2_tc.py, TCConfig.BWD_AUTO*). At d = 128, Bc = 128
+// with 8 warps (two per dQ row group) halves the dQ atomics and the Q / dO reads per key at the same 8
+// warps per SM, and compiles without spills for sm_90: the backward runs 12-16% faster than with Bc = 64
+// non-causal, -2 to +11% causal (6ae585e, 638f5f8; fwd + bwd 0.73-0.86x SDPA flash). At d = 64 it loses
+// (211 registers: 8 warps per SM, not 12). fa2_tc_bwd_rowdot in place of the CuPy expression (fp32 casts
+// of dO and O, product, sum) bought 1-23% of the backward, most at N = 2k. Next rung:
+// fewer registers per warp (FA2's 2-D warp layouts for S and dP), so occupancy comes without spills.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 

@@ -9,15 +9,16 @@ Forward parameters: Br (`block_r`), Bc (`block_c`, auto per head dim), `warps`, 
 occupancy axis), `split` ("q": warps own rows, "k": warps own keys and reduce through shared memory),
 `philox_rounds`. Backward: column-parallel (one block per K/V tile) with fp32 float4 dQ atomics
 (`fa2-tc`), or a dK/dV column kernel plus a row-parallel dQ kernel with a fixed summation order
-(`fa2-tc-deterministic`); `bwd_block_r` and `bwd_min_blocks` pick its geometry and occupancy.
+(`fa2-tc-deterministic`); `bwd_block_r`, `bwd_block_c` and `bwd_min_blocks` pick its tile and occupancy,
+`bwd_pre` its preprocessing D = rowsum(dO o O) (one kernel, or the CuPy expression: the rung below).
 Features: causal (tiles above the diagonal never loaded), window, block-sparse (host tile table),
 GQA/MQA, any Nq and Nk, dead rows, dropout bit-exact with the RNG contract, negative and zero scale.
 Envelope: head dim a multiple of 8 up to 128 (zero-filled to 64 or 128), 16-byte aligned rows
 (cp.async copies 16 bytes); ValueError before launch otherwise.
 Status and speed (H100, bench/results/h100/): more than 5,000 oracle-checked examples per dtype and
 direction, 0 failures, sanitizer clean. Forward 0.92-1.00x PyTorch SDPA flash at d = 64 and
-0.90-0.94x at d = 128 with the defaults (N = 2k-16k, causal and not); forward + backward 0.68-0.76x
-and 0.64-0.71x. The rung below is fa2-tc-naive.
+0.90-0.94x at d = 128 with the defaults (N = 2k-16k, causal and not); forward + backward 0.71-0.88x
+and 0.73-0.86x (638f5f8). The rung below is fa2-tc-naive.
 """
 from __future__ import annotations
 
