@@ -15,10 +15,11 @@
 // Kernels
 //   fa2_tc_bwd_rowdot<T>   grid ceil(B*Hq*Nq / 32), 256 threads: the preprocessing D = rowsum(dO o O), fp32.
 //   fa2_tc_bwd<T, D, BR, BC, WARPS, MK, MINB, R, DROPOUT, ATOMIC_DQ>   grid (ceil(Nk/BC), B*Hkv), WARPS*32
-//       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and a 16-row block of dQ:
-//       BR / 16 row groups, and where the warps outnumber them (BR = 64, BC = 128: 8 warps) each row
-//       group's columns split between WARPS / (BR / 16) warps. MK = 2 halves the shared-memory reads of the Q and dO operands per FLOP
-//       (each fragment feeds two m16 key tiles) at the price of twice the dK, dV accumulators.
+//       threads; each warp owns 16 MK keys of the tile (BC = 16 MK WARPS) and a block of dQ: 16 rows
+//       (one of BR / 16 row groups) by D / (WARPS / (BR / 16)) columns, so where the warps outnumber
+//       the row groups (BR = 64, BC = 128: 8 warps) two warps share a row group's columns. MK = 2
+//       halves the shared-memory reads of the Q and dO operands per FLOP (each fragment feeds two m16
+//       key tiles) at the price of twice the dK, dV accumulators.
 //       Without ATOMIC_DQ it computes dK and dV only (dQ untouched): the deterministic pair.
 //       MINB: blocks per SM the register allocation must allow (__launch_bounds__), the occupancy axis.
 //   fa2_tc_bwd_dq<T, D, BR, BC, WARPS, R, DROPOUT>   grid (ceil(Nq/BR), B*Hq): the deterministic dQ,
@@ -119,8 +120,8 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const TileBases kq = tile_bases<T, D>(sK, sQ, sdO, wkey, lane);   // .q: K as A, .k: Q as B, .v: dO as B^T
     const TileBases vd = tile_bases<T, D>(sV, sdO, sQ, wkey, lane);   // .q: V as A, .k: dO as B, .v: Q as B^T
     const unsigned kT = tile_bases<T, D>(sK, sK, sK, 0, lane).v;      // K as B^T
-    // dS^T as A^T: this lane's row (key) of each 16-key step and its query chunk, 2 warp + (lane / 8) % 2.
-    // BR >= 64 XORs the warp's 2 warp in at each use ((2 warp + c) ^ r7 = c ^ r7 ^ 2 warp): folding it into
+    // dS^T as A^T: this lane's row (key) of each 16-key step and its query chunk, 2 rg + (lane / 8) % 2.
+    // BR >= 64 XORs the row group's 2 rg in at each use ((2 rg + c) ^ r7 = c ^ r7 ^ 2 rg): folding it into
     // the base cost the D = 128 kernel 48 more bytes of spills (NVRTC 13, sm_90; 255 registers either way).
     const int dsr = (lane / 16) * 8 + r7;
     const unsigned dsT = smem_addr(sdS) + dsr * (BR * 2) +

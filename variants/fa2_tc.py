@@ -57,7 +57,7 @@ class TCConfig:
     philox_rounds: int = 10
     split: str = "q"             # warp partitioning (FA2 Sec. 3.3): "q" rows per warp, "k" keys per warp
     deterministic: bool = False  # backward: dQ by a row-parallel kernel instead of atomics
-    bwd_block_r: object = "auto"  # backward Q tile Br and K/V tile Bc: a pair in BWD_GEOMETRY, or auto
+    bwd_block_r: object = "auto"  # backward Q tile Br (with bwd_block_c a pair in BWD_GEOMETRY), or auto
     bwd_min_blocks: object = "auto"  # backward column kernel: blocks per SM its registers must allow
     stages: int = 2               # forward copies: 2 one tile ahead of the GEMMs, 1 waited for at once
     bwd_pre: str = "kernel"       # D = rowsum(dO o O): "kernel" (fa2_tc_bwd_rowdot) or "cupy" (fp32 casts)
@@ -118,8 +118,8 @@ class TCConfig:
     # no spills) 135-157: the kernel is latency-bound (8 warps per SM), so occupancy beats the spills. Bc =
     # 128 (8 warps, 211 registers, one block per SM) 157-170 and Br = Bc = 128 165-181 against 172-184
     # (non-causal, 2026-11-22-6ae585e.md). d = 128 (6ae585e): Bc = 128 (255 registers, no spills on sm_90)
-    # 195-212 against Bc = 64's 168-185 (non-causal), fwd + bwd 0.75-0.86x SDPA flash against 0.67-0.84x; the deterministic
-    # column kernel (no dQ) runs slower with it (189 against 194 at N = 16k) and keeps Bc = 64.
+    # 195-212 against Bc = 64's 168-185 (non-causal), fwd + bwd 0.75-0.86x SDPA flash against 0.67-0.84x;
+    # the deterministic column kernel (no dQ) runs slower with it (189 against 194 at N = 16k): Bc = 64.
     BWD_AUTO = {(64, False): (64, 64), (128, False): (64, 128), (64, True): (64, 64), (128, True): (64, 64)}
     BWD_AUTO_BC = {32: 64, 64: 64, 128: 128}           # Bc when only Br is given
     BWD_AUTO_MIN_BLOCKS = {(64, 64, 64): 3}            # (head dim, Br, Bc): blocks per SM; 1 where not listed
@@ -133,7 +133,8 @@ class TCConfig:
         if self.bwd_block_r == "auto":
             br, bc = self.BWD_AUTO[(D, self.deterministic)]
             return br, bc if self.bwd_block_c == "auto" else self.bwd_block_c
-        return self.bwd_block_r, self.BWD_AUTO_BC.get(self.bwd_block_r) if self.bwd_block_c == "auto" else self.bwd_block_c
+        bc = self.BWD_AUTO_BC.get(self.bwd_block_r) if self.bwd_block_c == "auto" else self.bwd_block_c
+        return self.bwd_block_r, bc
 
     def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
         br, bc = self.bwd_tile(D)
