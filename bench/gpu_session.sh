@@ -40,6 +40,10 @@ sanitize() {   # tool variant [--backward] -> one verdict line
   for spec in fa2-tc:split=k+block_r=32+block_c=64; do
     sanitize memcheck "$spec" "" & sanitize racecheck "$spec" "" & wait
   done >> "$OUT/sanitizer.txt"
+  # the d = 128 backward tile (Bc = 128, two warps per dQ row group; the cases above run d = 40)
+  spec=fa2-tc:bwd_block_c=128
+  { sanitize memcheck "$spec" "--backward --headdim 128" & sanitize racecheck "$spec" "--backward --headdim 128" & wait
+  } >> "$OUT/sanitizer.txt"
   cat /tmp/sanitizer-*.log > "$OUT/sanitizer.log"
 ) &
 sanitizer_pid=$!
