@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -56,7 +58,8 @@ def mask_args(problem: Problem, xp) -> tuple:
     band = problem.band
     bm = problem.block_mask
     if bm is None:
-        return (i32(band.lo), i32(band.hi), xp.zeros(1, dtype=xp.uint8), i32(0), i32(1), i32(1), i32(1), i32(1))
+        dummy = _cached(("no-layout",), lambda: xp.zeros(1, dtype=xp.uint8), xp)   # never read: 0 heads
+        return (i32(band.lo), i32(band.hi), dummy, i32(0), i32(1), i32(1), i32(1), i32(1))
     layout = _cached(("layout", _layout_key(bm)), lambda: xp.asarray(bm.layout.astype(np.uint8)), xp)
     Hm, nbq, nbk = bm.layout.shape
     return (i32(band.lo), i32(band.hi), layout, i32(Hm), i32(bm.block[0]), i32(bm.block[1]), i32(nbq), i32(nbk))
@@ -71,3 +74,19 @@ def dropout_args(problem: Problem) -> tuple:
 def strides4(x) -> tuple:
     """Element strides of a 4-D array as four int64 scalars."""
     return tuple(i64(s) for s in arrays.element_strides(x))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """A variant's launches for one problem and stride layout, resolved once (sandbox/fastpath.py).
+
+    buffers: name -> (shape, dtype name, zeroed): the arrays the caller allocates per call, on its
+             own allocator and stream, beside the inputs (forward: out, lse; backward: D, dq, dk, dv).
+    run(pointers, seed, offset, stream): launch on `stream` (a CuPy stream object) with `pointers`
+             mapping every input and buffer name to a device address.
+    keep:    device arrays the launches read (tile tables), held for the plan's lifetime.
+    """
+
+    buffers: dict
+    run: Callable
+    keep: tuple = ()

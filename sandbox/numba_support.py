@@ -77,3 +77,33 @@ def make_philox(rounds: int):
 
 
 NEG_INF = -math.inf
+
+
+def zeros(shape, dtype):
+    """Zero-filled on the device (on the current stream), not a host array copied over."""
+    if SIMULATOR:
+        return np.zeros(shape, dtype=dtype)
+    import cupy
+    return cupy.zeros(shape, dtype=dtype)
+
+
+def full(shape, value, dtype):
+    if SIMULATOR:
+        return np.full(shape, value, dtype=dtype)
+    import cupy
+    return cupy.full(shape, value, dtype=dtype)
+
+
+def launch(kernel, grid, block, *args):
+    """kernel[grid, block](*args) on the caller's stream (CuPy's current one, which the API sets to
+    torch's current stream for torch tensors). Device arrays are handed to Numba with sync=False:
+    Numba would otherwise synchronise on the stream each array's interface names (a host wait)."""
+    if SIMULATOR:
+        kernel[grid, block](*args)
+        return
+    import cupy
+    ptr = cupy.cuda.get_current_stream().ptr
+    stream = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+    args = tuple(cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
+                 for a in args)
+    kernel[grid, block, stream](*args)

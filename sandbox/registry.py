@@ -13,7 +13,9 @@ A variant's implementation object provides:
 """
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import pkgutil
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -29,6 +31,12 @@ class Param:
     choices: tuple
     default: object
     doc: str = ""
+    replay: bool = False   # changes the dropout stream: a backward must use the forward's value
+
+
+def philox_rounds_param() -> Param:
+    """The Philox round count of the dropout RNG (10, the contract's; 7, a faster stream)."""
+    return Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG", replay=True)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,14 @@ class BoundVariant:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.variant.name}({args})"
 
+    def replay_params(self) -> dict:
+        """The parameters that decide the dropout stream, with their values."""
+        return {p.name: self.params[p.name] for p in self.variant.params if p.replay}
+
+    def wants_saved(self) -> bool:
+        """Whether the variant's backward takes what its forward saved (`saved=`, e.g. a stored mask)."""
+        return _takes_saved(self.variant.impl)
+
     def check(self, problem: Problem, direction: str = "forward") -> None:
         """Raise ValueError naming the variant and every capability the problem needs but it lacks."""
         v, caps = self.variant, self.variant.caps
@@ -117,6 +133,12 @@ class BoundVariant:
         extra = getattr(v.impl, "check", None)
         if extra is not None:
             extra(problem, self.config, direction)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_saved(impl) -> bool:
+    backward = getattr(impl, "backward", None)
+    return backward is not None and "saved" in inspect.signature(backward).parameters
 
 
 _REGISTRY: dict[str, Variant] = {}

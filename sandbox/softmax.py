@@ -80,7 +80,7 @@ def _numba(x, algorithm):
     from .softmax_numba import THREADS, kernel
     xd = nb.to_backend(x, "x")
     y = nb.empty(xd.shape, np.float32)
-    kernel(algorithm)[xd.shape[0], THREADS](xd, y)
+    nb.launch(kernel(algorithm), xd.shape[0], THREADS, xd, y)
     return y
 
 

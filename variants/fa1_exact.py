@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, launch
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 from .fa2_exact import BLOCK_C, BLOCK_R, DROPOUT_STORE, FA2Config, FA2Exact, _qkv_strides, d_pad, packed_mask
 
@@ -106,7 +106,7 @@ PARAMS = (
     Param("block_r", BLOCK_R, 16, "Br: query rows per inner step"),
     Param("block_c", BLOCK_C, 128, "Bc: keys per K/V tile (outer step)"),
     Param("warps", (2, 4, 8), 4, "warps per thread block"),
-    Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+    philox_rounds_param(),
     Param("block", ("manual", "auto-fa1"), "manual",
           "auto-fa1: Br, Bc from the FA1 paper's rule Bc = ceil(M/4d), Br = min(Bc, d) on this device"),
     DROPOUT_STORE,

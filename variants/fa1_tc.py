@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sandbox.launch import cuda_options
 from sandbox.loader import CompileUnit
-from sandbox.registry import Param, Variant, register
+from sandbox.registry import Param, Variant, philox_rounds_param, register
 
 from .fa2_tc import CAPS, CTYPE, FA2TensorCore, TCConfig
 
@@ -65,5 +65,5 @@ register(Variant(
     params=(Param("block_r", (64, 128), 128, "Br: query rows per inner step"),
             Param("block_c", (32, 64, 128), 64, "Bc: keys per K/V tile (outer step)"),
             Param("warps", (4, 8), 8, "warps per thread block (Br / warps rows each, a multiple of 16)"),
-            Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG")),
+            philox_rounds_param()),
     caps=CAPS, seed_ref="FA1 paper Algorithms 1 and 2"))

@@ -24,7 +24,7 @@ from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, launch
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 D_PADS = (32, 64, 96, 128)
 SMEM_LIMIT = ARCH_SMEM["sm_90"]   # H100/H200 per-block opt-in maximum
@@ -266,7 +266,7 @@ PARAMS = (
     Param("block_r", BLOCK_R, 64, "Br: query rows per thread block"),
     Param("block_c", BLOCK_C, 64, "Bc: keys per K/V tile"),
     Param("warps", (2, 4, 8), 4, "warps per thread block"),
-    Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+    philox_rounds_param(),
     Param("block", ("manual", "auto-fa1"), "manual",
           "auto-fa1: Br, Bc from the FA1 paper's rule Bc = ceil(M/4d), Br = min(Bc, d) on this device"),
     DROPOUT_STORE,

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
-from sandbox.launch import cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
-from sandbox.loader import CompileUnit, launch
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.launch import (LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table,
+                            u32, u64)
+from sandbox.loader import CompileUnit, get_kernel, launch
+from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
 SMEM_LIMIT = ARCH_SMEM["sm_90"]  # H100/H200 per-block opt-in maximum
@@ -352,6 +353,102 @@ class FA2TensorCore:
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 
+    # ---- pointer-level plans (sandbox/fastpath.py): a repeated call of one problem and stride layout
+    # resolves the kernel, grid, shared memory, tile table and typed scalars once; each call then packs
+    # device pointers and launches. The buffers are allocated by the caller (torch's allocator for
+    # torch tensors) on the caller's stream.
+
+    def forward_plan(self, p, config, strides) -> LaunchPlan | None:
+        """`strides`: element strides of q, k, v. None where the generic path must run (a negative
+        scale negates K into a copy first)."""
+        import cupy as xp
+        if p.scale < 0:
+            return None
+        for nm in ("q", "k", "v"):
+            _check_row_strides(strides[nm], nm, self.name)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        fn = get_kernel(unit, name).kernel
+        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D, dropout), xp)
+        tail = (tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+                f32(scale_log2(p.scale)), *mask_args(p, xp))
+        sq, sk, sv = (tuple(i64(x) for x in strides[nm][:3]) for nm in ("q", "k", "v"))
+        grid, block, smem = (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,), unit.dynamic_smem[name]
+        thr, inv = u32(p.dropout_threshold), f32(1.0 / (1.0 - p.dropout_p))
+
+        def run(ptr, seed, offset, stream):
+            _check_aligned(ptr, ("q", "k", "v"), self.name)
+            fn(grid, block, (u64(ptr["q"]), *sq, u64(ptr["k"]), *sk, u64(ptr["v"]), *sv, u64(ptr["out"]),
+                             u64(ptr["lse"]), *tail, thr, inv, u64(seed), u32(offset)),
+               shared_mem=smem, stream=stream)
+
+        buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
+        return LaunchPlan(buffers, run, keep=(tiles,))
+
+    def backward_plan(self, p, config, strides) -> LaunchPlan | None:
+        """`strides`: element strides of q, k, v, out and dout. The buffers: D = rowsum(dO o O), dq (an
+        fp32 accumulator zeroed by the caller and cast to the input dtype after the run, unless
+        deterministic), dk, dv."""
+        import cupy as xp
+        if config.bwd_pre != "kernel":
+            return None
+        for nm in ("q", "k", "v", "out", "dout"):
+            _check_row_strides(strides[nm], nm, self.name)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        unit = config.backward_unit(p.dtype, D)
+        name = config.backward_name(p.dtype, D, dropout)
+        rowdot, col = get_kernel(unit, config.rowdot_name(p.dtype)).kernel, get_kernel(unit, name).kernel
+        br, bc, warps, _ = config.bwd_geometry(D)
+        tiles, tile_heads = tile_table(p, br, bc, xp)
+        st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
+        rows = p.B * p.Hq * p.Nq
+        rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp))
+        thr, inv = u32(p.dropout_threshold), f32(1.0 / (1.0 - p.dropout_p))
+        heads = (i32(p.Hq), i32(p.Hkv), i32(p.group))
+        col_geom = ((-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,), unit.dynamic_smem[name])
+        if config.deterministic:
+            dq_name = config.dq_name(p.dtype, D, dropout)
+            dq_fn = get_kernel(unit, dq_name).kernel
+            dq_tiles = tile_table(p, config.DQ_BR, config.DQ_BC, xp) if (br, bc) != (config.DQ_BR, config.DQ_BC) \
+                else (tiles, tile_heads)
+            dq_geom = ((-(-p.Nq // config.DQ_BR), p.B * p.Hq), (32 * config.DQ_WARPS,), unit.dynamic_smem[dq_name])
+
+        def run(ptr, seed, offset, stream):
+            _check_aligned(ptr, ("q", "k", "v", "out", "dout"), self.name)
+            u = {nm: u64(ptr[nm]) for nm in ("q", "k", "v", "out", "dout", "lse", "D", "dq", "dk", "dv")}
+            drop = (thr, inv, u64(seed), u32(offset))
+            rowdot((-(-rows // 32),), (256,), (u["dout"], *st["dout"], u["out"], *st["out"], u["D"], i32(p.Hq),
+                                               i32(p.Nq), i32(p.d), i64(rows)), stream=stream)
+            operands = (u["q"], *st["q"], u["k"], *st["k"], u["v"], *st["v"], u["dout"], *st["dout"], u["lse"], u["D"])
+            grid, block, smem = col_geom
+            col(grid, block, (*operands, u["dq"], u["dk"], u["dv"], tiles, tile_heads, *heads, *rest, *drop),
+                shared_mem=smem, stream=stream)
+            if config.deterministic:
+                grid, block, smem = dq_geom
+                dq_fn(grid, block, (*operands, u["dq"], *dq_tiles, i32(p.Hq), i32(p.group), *rest, *drop),
+                      shared_mem=smem, stream=stream)
+
+        kv = (p.B, p.Hkv, p.Nk, p.d)
+        buffers = {"D": ((p.B, p.Hq, p.Nq), "float32", False),
+                   "dq": ((p.B, p.Hq, p.Nq, p.d), p.dtype if config.deterministic else "float32",
+                          not config.deterministic),
+                   "dk": (kv, p.dtype, False), "dv": (kv, p.dtype, False)}
+        return LaunchPlan(buffers, run, keep=(tiles,))
+
+
+def _check_row_strides(st, name, variant):
+    if any(s % 8 for s in st[:3]):
+        raise ValueError(f"variant {variant!r}: {name} needs 16-byte aligned rows (strides {tuple(st)} elements); "
+                         "pass a contiguous copy")
+
+
+def _check_aligned(ptr, names, variant):
+    for nm in names:
+        if ptr[nm] % 16:
+            raise ValueError(f"variant {variant!r}: {nm} needs a 16-byte aligned base address "
+                             f"({ptr[nm]:#x}); pass a contiguous copy")
+
+
 PARAMS = (
     Param("block_r", (32, 64, 128), 128, "Br: query rows per thread block"),
     Param("block_c", ("auto", 32, 64, 128), "auto", "Bc: keys per K/V tile; auto: per head dim and dropout "
@@ -360,7 +457,7 @@ PARAMS = (
     Param("min_blocks", ("auto", 1, 2, 3, 4), 1, "blocks per SM the register allocation must allow "
           "(__launch_bounds__): fewer registers, more warps in flight, spills past the kernel's need; "
           "auto: from the accumulator count (TCConfig.blocks_per_sm)"),
-    Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+    philox_rounds_param(),
     Param("split", ("q", "k"), "q", "warp partitioning (FA2 paper Sec. 3.3): q, each warp owns Br / warps rows "
           "and every key of a tile; k, each warp owns all Br rows and Bc / warps keys, the warps agree on "
           "row maxima through shared memory every tile and add partial outputs at the end (Br x d "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sandbox.launch import cuda_options
 from sandbox.loader import CompileUnit
-from sandbox.registry import Param, Variant, register
+from sandbox.registry import Param, Variant, philox_rounds_param, register
 
 from .fa2_tc import CAPS, CTYPE, FA2TensorCore, TCConfig
 
@@ -57,5 +57,5 @@ register(Variant(
     params=(Param("block_r", (64, 128), 64, "Br: query rows per thread block"),
             Param("block_c", (32, 64), 64, "Bc: keys per K/V tile"),
             Param("warps", (4, 8), 4, "warps per thread block (Br / warps rows each, a multiple of 16)"),
-            Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG")),
+            philox_rounds_param()),
     caps=CAPS, seed_ref="FA2 paper Algorithm 1, Sec. 3.1 and 3.3"))

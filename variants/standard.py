@@ -16,7 +16,7 @@ import numpy as np
 from sandbox import arrays
 from sandbox.launch import cuda_options, dropout_args, f32, i32, i64, mask_args, strides4
 from sandbox.loader import CompileUnit, launch
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.registry import Capabilities, Variant, philox_rounds_param, register
 
 CTYPE = {"float32": "float", "float16": "__half"}
 ROW_THREADS = 256          # kernels_cu/standard.cu ROW_THREADS
@@ -121,7 +121,7 @@ register(Variant(
     name="standard", family="standard", backend="cuda",
     description="Algorithm 0: S and P materialised in HBM; tiled fp32-accumulate GEMMs",
     impl=Standard(),
-    params=(Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),),
+    params=(philox_rounds_param(),),
     caps=Capabilities(dtypes=("float32", "float16"), head_dims=tuple(range(1, 257))),
     seed_ref="FA1 paper Algorithm 0 (standard attention) and its backward",
 ))

@@ -1,0 +1,202 @@
+"""Family `host`: what a PyTorch caller pays per call, beside SDPA, and speed as a PyTorch user sees it.
+
+Two measurements, both with torch tensors on torch's current stream:
+- host time per call: the GPU is kept busy (a long torch.cuda._sleep queued first), so that N calls
+  only enqueue work; wall time / N is the Python + launch cost of one call. Entry points: SDPA
+  (flash backend), `sandbox.attention` (the plain API: plan path), `sandbox.torch.attention`
+  (eager autograd.Function), the custom op `torch.ops.sandbox.attention_fwd` directly, and the
+  training forward (inputs requiring grad) of sandbox.torch against SDPA's.
+- speed from torch: CUDA events around back-to-back calls with the GPU not kept busy, as a user
+  times a loop: host cost shows wherever it exceeds the kernel's time. Reported beside the
+  kernel-only figure (sandbox.timing.time_fn: the host hidden behind a spin kernel), each as a
+  ratio to SDPA flash measured the same way.
+
+    python -m bench.host_cost --out DIR [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def host_us(fn, calls=300):
+    """Host microseconds per call with the GPU busy (calls only enqueue)."""
+    torch = _torch()
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))            # ~1 s of GPU time: every call below only enqueues
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def loop_ms(fn, calls=30, reps=5):
+    """Milliseconds per call of back-to-back calls timed with CUDA events (host cost included)."""
+    torch = _torch()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        best.append(a.elapsed_time(b) / calls)
+    return sorted(best)[len(best) // 2]
+
+
+def _sdpa(backend):
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    F = torch.nn.functional
+
+    def call(q, k, v, causal):
+        with sdpa_kernel([be]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return call
+
+
+def host_table(quick=False):
+    torch = _torch()
+    import sandbox
+    import sandbox.torch as st
+    sdpa = _sdpa("flash")
+    rows = []
+    shapes = [(b, n) for b in (1, 2, 4, 8) for n in (128, 512, 2048)] if not quick else [(1, 128), (8, 2048)]
+    for B, N in shapes:
+        H, d = 16, 64
+        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+        scale = 1.0 / math.sqrt(d)
+        ref = host_us(lambda: sdpa(q, k, v, False))
+        entries = {
+            "sandbox.attention (plain API)": host_us(lambda: sandbox.attention(q, k, v, variant="fa2-tc")),
+            "sandbox.torch.attention (eager)": host_us(lambda: st.attention(q, k, v, variant="fa2-tc")),
+            "torch.ops.sandbox.attention_fwd": host_us(lambda: torch.ops.sandbox.attention_fwd(
+                q, k, v, None, "fa2-tc", "", False, scale, 0.0, False, None, None, None, 0, 0)),
+        }
+        ref_train = host_us(lambda: sdpa(qg, kg, vg, False))
+        train = host_us(lambda: st.attention(qg, kg, vg, variant="fa2-tc"))
+        row = {"B": B, "N": N, "H": H, "d": d, "sdpa_flash_us": ref, "sdpa_flash_train_us": ref_train,
+               "sandbox_torch_train_us": train}
+        row.update({f"{name} us": us for name, us in entries.items()})
+        rows.append(row)
+        print(f"  host B={B} N={N}: sdpa {ref:.1f} us, plain {entries['sandbox.attention (plain API)']:.1f}, "
+              f"torch eager {entries['sandbox.torch.attention (eager)']:.1f}, op "
+              f"{entries['torch.ops.sandbox.attention_fwd']:.1f}; train fwd sdpa {ref_train:.1f}, sandbox {train:.1f}",
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def speed_table(quick=False):
+    """FA2 grid (B N = 16k, hidden 2048): kernel-only and from-torch TFLOP/s, fa2-tc and SDPA."""
+    torch = _torch()
+    import cupy as cp
+    import sandbox
+    import sandbox.torch as st
+    from sandbox.timing import time_fn, tflops
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for N in ((512, 2048, 8192, 16384) if not quick else (2048,)):
+                B, H = 16384 // N, 2048 // d
+                q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16) for _ in range(4))
+                flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
+                qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
+                row = {"d": d, "causal": causal, "N": N, "B": B, "H": H}
+                kern = time_fn(lambda: sandbox.attention(qc, kc, vc, variant="fa2-tc", causal=causal), reps=10)
+                row["fa2-tc kernel TFLOP/s"] = tflops(flops, kern.median_ms)
+                for be in ("flash", "cudnn"):
+                    fn = _sdpa(be)
+                    try:
+                        t = time_fn(lambda: fn(q, k, v, causal), reps=10)
+                        row[f"sdpa-{be} kernel TFLOP/s"] = tflops(flops, t.median_ms)
+                        row[f"sdpa-{be} torch TFLOP/s"] = tflops(flops, loop_ms(lambda: fn(q, k, v, causal)))
+                    except RuntimeError as e:          # a backend that refuses the shape
+                        print(f"  sdpa {be} skipped: {e}", file=sys.stderr)
+                row["fa2-tc torch TFLOP/s"] = tflops(flops, loop_ms(
+                    lambda: st.attention(q, k, v, variant="fa2-tc", causal=causal)))
+                qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
+
+                def ours_both():
+                    out = st.attention(qg, kg, vg, variant="fa2-tc", causal=causal)
+                    torch.autograd.grad(out, (qg, kg, vg), dout)
+
+                def sdpa_both():
+                    out = _sdpa("flash")(qg, kg, vg, causal)
+                    torch.autograd.grad(out, (qg, kg, vg), dout)
+                row["fa2-tc torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(ours_both, calls=10, reps=3))
+                row["sdpa-flash torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(sdpa_both, calls=10, reps=3))
+                rows.append(row)
+                print(f"  speed d={d} causal={causal} N={N}: " + ", ".join(
+                    f"{k_}={v_:.0f}" for k_, v_ in row.items() if "TFLOP" in k_), file=sys.stderr, flush=True)
+    return rows
+
+
+def markdown(host, speed) -> str:
+    lines = ["## Host time per call from torch (GPU kept busy), fp16, H = 16, d = 64", "",
+             "| B | N | SDPA flash us | plain API us | x | sandbox.torch us | x | custom op us | x | "
+             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 13]
+    for r in host:
+        s = r["sdpa_flash_us"]
+        p, e, o = (r[f"{n} us"] for n in ("sandbox.attention (plain API)", "sandbox.torch.attention (eager)",
+                                          "torch.ops.sandbox.attention_fwd"))
+        lines.append(f"| {r['B']} | {r['N']} | {s:.1f} | {p:.1f} | {p / s:.2f} | {e:.1f} | {e / s:.2f} | {o:.1f} | "
+                     f"{o / s:.2f} | {r['sdpa_flash_train_us']:.1f} | {r['sandbox_torch_train_us']:.1f} | "
+                     f"{r['sandbox_torch_train_us'] / r['sdpa_flash_train_us']:.2f} |")
+    lines += ["", "## fa2-tc speed: kernel only and from torch (FA2 grid, fp16, B N = 16k, hidden 2048)", "",
+              "| d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | from torch TFLOP/s | x SDPA flash (torch) | "
+              "x SDPA cuDNN (torch) | fwd+bwd from torch | x SDPA flash |", "|" + "---|" * 10]
+    for r in speed:
+        def ratio(a, b):
+            return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
+        lines.append(f"| {r['d']} | {r['causal']} | {r['N']} | {r['fa2-tc kernel TFLOP/s']:.0f} | "
+                     f"{ratio('fa2-tc kernel TFLOP/s', 'sdpa-flash kernel TFLOP/s')} | {r['fa2-tc torch TFLOP/s']:.0f} | "
+                     f"{ratio('fa2-tc torch TFLOP/s', 'sdpa-flash torch TFLOP/s')} | "
+                     f"{ratio('fa2-tc torch TFLOP/s', 'sdpa-cudnn torch TFLOP/s')} | "
+                     f"{r['fa2-tc torch both TFLOP/s']:.0f} | {ratio('fa2-tc torch both TFLOP/s', 'sdpa-flash torch both TFLOP/s')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/local")
+    ap.add_argument("--quick", action="store_true", help="two host shapes and one grid size")
+    ap.add_argument("--skip-speed", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        torch = _torch()
+    except ImportError:
+        raise SystemExit("error: the host family needs PyTorch (pip install torch)")
+    if not torch.cuda.is_available():
+        raise SystemExit("error: the host family needs a CUDA GPU")
+    host = host_table(args.quick)
+    speed = [] if args.skip_speed else speed_table(args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(host, speed)
+    (out / "host.md").write_text(md)
+    (out / "host.json").write_text(json.dumps({"host": host, "speed": speed}, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

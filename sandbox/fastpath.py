@@ -1,0 +1,154 @@
+"""The host-cost path for PyTorch callers: a repeated call is resolved once, then only launched.
+
+A forward call's signature (variant and parameters, shapes, strides, dtypes, device, options) keys a
+`Plan`: the bound variant, the validated Problem and, where the variant offers one, a pointer-level
+`LaunchPlan` (sandbox/launch.py) with the kernel, grid, shared memory, tile table and typed scalars
+already resolved. A repeated call costs a dict lookup, the allocation of its outputs through torch's
+caching allocator, and the launch on torch's current stream; only `seed` and `offset`, which change
+per call, are checked each time. Variants without a `forward_plan` (or problems a plan refuses, such
+as block-sparse masks, whose layouts are not hashed per call) take the generic path in api.py.
+
+Why: the generic path (variant resolution, validation, wrapping torch tensors as CuPy arrays,
+DLPack back) cost a large fraction of a millisecond per call, several times SDPA's host time;
+bench/host_cost.py measures both beside SDPA.
+
+The key holds the option values and their types (`causal=1` must not hit a plan made for
+`causal=True`, which validation would have refused), and the plan keeps no tensor alive.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections import OrderedDict
+
+from . import arrays
+
+_PLANS: OrderedDict = OrderedDict()
+_MAX_PLANS = 512
+_TORCH_DTYPES = {}
+
+
+def _torch_dtype(name: str):
+    if not _TORCH_DTYPES:
+        torch = sys.modules["torch"]
+        _TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16)
+    return _TORCH_DTYPES[name]
+
+
+class Plan:
+    """One forward problem resolved: the bound variant, its Problem, the forward LaunchPlan and the
+    backward LaunchPlans made so far (keyed by the backward's variant and dout's strides)."""
+
+    __slots__ = ("bound", "problem", "forward", "backward", "device", "strides")
+
+    def __init__(self, bound, problem, forward, device, strides):
+        self.bound, self.problem, self.forward, self.device = bound, problem, forward, device
+        self.strides = strides          # element strides of q, k, v, which the plan is keyed by
+        self.backward = {}
+
+
+def variant_key(variant):
+    """A hashable name for a variant argument: a name, or a bound variant's name and parameters."""
+    if variant is None or isinstance(variant, str):
+        return variant
+    return (variant.name, tuple(sorted(variant.params.items())))
+
+
+def forward_key(q, k, v, variant, params, causal, scale, dropout_p, window):
+    return (variant_key(variant), tuple(sorted(params.items())) if params else (),
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            causal.__class__, causal, scale.__class__, scale, dropout_p.__class__, dropout_p,
+            window.__class__, window)
+
+
+def is_torch_cuda(*xs) -> bool:
+    return all(type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False) for x in xs)
+
+
+def lookup(key):
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def make_plan(key, bound, problem, q, k, v):
+    """Resolve the forward once; a variant without `forward_plan` gets a plan without one (the caller
+    then runs the generic path with the resolved variant and problem)."""
+    _check_unit_stride(q=q, k=k, v=v)
+    make = getattr(bound.variant.impl, "forward_plan", None)
+    strides = {"q": tuple(q.stride()), "k": tuple(k.stride()), "v": tuple(v.stride())}
+    launch = None
+    if make is not None and problem.block_mask is None:
+        with arrays.caller_stream(q):
+            launch = make(problem, bound.config, strides)
+    plan = _PLANS[key] = Plan(bound, problem, launch, q.device, strides)
+    if len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _check_unit_stride(**xs):
+    for name, x in xs.items():
+        if x.shape[-1] > 1 and x.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along d (last axis); got strides {tuple(x.stride())}")
+
+
+def problem_for(plan, seed, offset):
+    p = plan.problem
+    return p if (p.seed, p.offset) == (seed, offset) else dataclasses.replace(p, seed=seed, offset=offset)
+
+
+def _stream(device):
+    """CuPy stream object for torch's current stream on `device`, with CuPy's device set to it."""
+    dev = device.index
+    import cupy
+    if cupy.cuda.runtime.getDevice() != dev:
+        cupy.cuda.runtime.setDevice(dev)
+    return arrays._external_stream(arrays.torch_stream_ptr(dev), dev)
+
+
+def _run(launch, device, inputs: dict, seed, offset) -> dict:
+    torch = sys.modules["torch"]
+    stream = _stream(device)
+    bufs = {name: (torch.zeros if zeroed else torch.empty)(shape, dtype=_torch_dtype(dt), device=device)
+            for name, (shape, dt, zeroed) in launch.buffers.items()}
+    ptr = {name: x.data_ptr() for name, x in inputs.items()}
+    for name, b in bufs.items():
+        ptr[name] = b.data_ptr()
+    launch.run(ptr, seed, offset, stream)
+    return bufs
+
+
+def run_forward(plan, q, k, v, seed, offset):
+    """(out, lse) as torch tensors, launched on torch's current stream."""
+    bufs = _run(plan.forward, plan.device, {"q": q, "k": k, "v": v}, seed, offset)
+    return bufs["out"], bufs["lse"]
+
+
+def backward_launch(plan, bound, dout, out):
+    """The backward LaunchPlan of `bound` for this forward plan and dout's strides, made once; None
+    where the variant has none."""
+    key = (variant_key(bound), tuple(dout.stride()), tuple(out.stride()))
+    if key in plan.backward:
+        return plan.backward[key]
+    _check_unit_stride(dout=dout, out=out)
+    bound.check(plan.problem, "backward")
+    make = getattr(bound.variant.impl, "backward_plan", None)
+    launch = None
+    if make is not None and plan.problem.block_mask is None:
+        strides = {**plan.strides, "out": tuple(out.stride()), "dout": tuple(dout.stride())}
+        with arrays.caller_stream(dout):
+            launch = make(plan.problem, bound.config, strides)
+    plan.backward[key] = launch
+    return launch
+
+
+def run_backward(launch, problem, dout, q, k, v, out, lse):
+    """(dq, dk, dv) as torch tensors in q's dtype."""
+    bufs = _run(launch, q.device, {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse},
+                problem.seed, problem.offset)
+    dq = bufs["dq"]
+    if dq.dtype != q.dtype:
+        dq = dq.to(q.dtype)
+    return dq, bufs["dk"], bufs["dv"]

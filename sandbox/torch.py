@@ -1,0 +1,228 @@
+"""sandbox.torch: the kernels as a differentiable PyTorch op, for torch.compile and transformers.
+
+    import sandbox.torch as st
+    out = st.attention(q, k, v, causal=True)                 # (B, H, N, d) like SDPA; autograd works
+    out = st.attention(q, k, v, variant="fa2-tc-deterministic", dropout_p=0.1, enable_gqa=True)
+    st.register_transformers("sandbox")                      # attn_implementation="sandbox"
+
+PyTorch is an optional extra: this module is the only one that imports it at the top.
+
+Two routes, one implementation (`_forward`, `_backward` below, which call sandbox.api and so the plan
+path of sandbox/fastpath.py):
+- eager calls run a `torch.autograd.Function`: its dispatch costs a few microseconds, where the
+  custom op's Python dispatch costs more (bench/host_cost.py measures both);
+- under torch.compile (`torch.compiler.is_compiling()`), the custom ops `sandbox::attention_fwd`
+  and `sandbox::attention_bwd`, registered through `torch.library` with fake (meta) kernels and an
+  autograd formula, so that `torch.compile(fullgraph=True)` traces a model without graph breaks.
+
+Dropout: the seed is drawn from torch's CPU generator (`generator=`, or the default one, so that
+`torch.manual_seed` makes runs repeatable) as a CPU int64 tensor, saved for the backward, which
+replays the same mask (the RNG contract: offset 0, the seed varies per call). A variant without a
+backward raises a ValueError naming it when `backward()` reaches it.
+"""
+import json
+import math
+from typing import Optional
+
+import torch
+
+from . import api
+from .masks import BlockSparse
+
+Tensor = torch.Tensor
+_SEED_HIGH = 2**63 - 1
+
+
+# ---- the shared implementation: plain-API calls on torch tensors
+
+def _spec(variant: str, params: str):
+    return (variant or None), (json.loads(params) if params else {})
+
+
+def _block_mask(layout: Optional[Tensor], block_q: int, block_k: int):
+    if layout is None:
+        return None
+    return BlockSparse(layout.cpu().numpy().astype(bool), (block_q, block_k))
+
+
+def _window(has_window: bool, left: Optional[int], right: Optional[int]):
+    return (left, right) if has_window else None
+
+
+def _forward(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right,
+             layout, block_q, block_k):
+    name, prm = _spec(variant, params)
+    res = api.forward(q, k, v, name, causal, scale, dropout_p, int(seed.item()) if seed is not None else 0, 0,
+                      _window(has_window, left, right), _block_mask(layout, block_q, block_k), **prm)
+    return res.out, res.lse
+
+
+def _backward(dout, q, k, v, out, lse, seed, variant, params, causal, scale, dropout_p, has_window, left,
+              right, layout, block_q, block_k):
+    name, prm = _spec(variant, params)
+    rng = (int(seed.item()) if seed is not None else 0, 0)
+    if dout.stride(-1) != 1 or dout.stride(-2) % 8:
+        dout = dout.contiguous()        # autograd may hand an expanded or strided gradient
+    return api.backward(dout, None, name, q=q, k=k, v=v, out=out, lse=lse, rng=rng, causal=causal, scale=scale,
+                        dropout_p=dropout_p, window=_window(has_window, left, right),
+                        block_mask=_block_mask(layout, block_q, block_k), **prm)
+
+
+# ---- the custom ops (torch.compile)
+
+@torch.library.custom_op("sandbox::attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, seed: Optional[Tensor], variant: str, params: str,
+                  causal: bool, scale: float, dropout_p: float, has_window: bool, left: Optional[int],
+                  right: Optional[int], layout: Optional[Tensor], block_q: int,
+                  block_k: int) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right, layout,
+                    block_q, block_k)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right, layout, block_q,
+      block_k):
+    B, H, N, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((B, H, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("sandbox::attention_bwd", mutates_args=(), device_types="cuda")
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seed: Optional[Tensor],
+                  variant: str, params: str, causal: bool, scale: float, dropout_p: float, has_window: bool,
+                  left: Optional[int], right: Optional[int], layout: Optional[Tensor], block_q: int,
+                  block_k: int) -> tuple[Tensor, Tensor, Tensor]:
+    return tuple(_backward(dout, q, k, v, out, lse, seed, variant, params, causal, scale, dropout_p, has_window,
+                           left, right, layout, block_q, block_k))
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, seed, *rest):
+    c = torch.contiguous_format
+    return (torch.empty_like(q, memory_format=c), torch.empty_like(k, memory_format=c),
+            torch.empty_like(v, memory_format=c))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, seed, *options = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], seed)
+    ctx.options = options
+    ctx.mark_non_differentiable(output[1])
+
+
+def _op_backward(ctx, dout, dlse):
+    q, k, v, out, lse, seed = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, seed, *ctx.options)
+    return dq, dk, dv, None, *([None] * len(ctx.options))
+
+
+attention_fwd.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# ---- the eager route
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, seed, *options):
+        out, lse = _forward(q, k, v, seed, *options)
+        ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, seed = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, seed, *ctx.options)
+        return dq, dk, dv, None, *([None] * len(ctx.options))
+
+
+# ---- the public entry point
+
+def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0, window=None, block_mask=None,
+              enable_gqa=False, generator=None, **params):
+    """softmax(mask(scale q k^T)) v with dropout, differentiable, in SDPA's (B, H, N, d) convention.
+
+    variant: a registered name (None: fa2-tc for fp16 / bf16, fa2 for fp32); `**params` its parameters.
+    enable_gqa: as in SDPA, needed when k and v have fewer heads than q.
+    generator: a CPU torch.Generator for the dropout seed (default: torch's default CPU generator).
+    Returns out (B, Hq, Nq, d) in q's dtype.
+    """
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+    if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
+        raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True for GQA/MQA (as in SDPA)")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if isinstance(variant, str) or variant is None:
+        name = variant or ""
+    else:
+        raise TypeError(f"variant must be a registered variant's name, got {type(variant).__name__}")
+    seed = None
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
+    if dropout_p > 0:
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError("generator must be a CPU torch.Generator: the dropout seed is drawn on the host "
+                             "(a CUDA generator would need a device synchronisation)")
+        seed = torch.randint(0, _SEED_HIGH, (), generator=generator, dtype=torch.int64)
+    if params.get("dropout_store", "replay") != "replay":
+        raise ValueError("sandbox.torch replays dropout masks from the seed: dropout_store='packed' is for the "
+                         "plain API (sandbox.forward / sandbox.backward)")
+    has_window = window is not None
+    left, right = window if has_window else (None, None)
+    layout, bq, bk = None, 0, 0
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockSparse):
+            raise TypeError(f"block_mask must be sandbox.masks.BlockSparse, got {type(block_mask).__name__}")
+        layout, (bq, bk) = torch.from_numpy(block_mask.layout.astype(bool)), block_mask.block
+    options = (name, json.dumps(params, sort_keys=True) if params else "", causal, float(scale), float(dropout_p),
+               has_window, left, right, layout, int(bq), int(bk))
+    if torch.compiler.is_compiling():
+        out, _ = attention_fwd(q, k, v, seed, *options)
+    else:
+        out, _ = _Attention.apply(q, k, v, seed, *options)
+    return out
+
+
+# ---- transformers
+
+def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
+    """Register the kernels as a transformers attention implementation: afterwards
+    `AutoModel.from_config(cfg, attn_implementation=name)` (or `model.set_attn_implementation(name)`)
+    runs attention through `attention(...)`. The mask function registered beside it is SDPA's, which
+    gives None when the mask is plain causal; a padding mask is refused (ValueError) rather than ignored.
+    """
+    from transformers import AttentionInterface
+
+    def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          **kwargs):
+        nq, nk = query.shape[2], key.shape[2]
+        causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        if attention_mask is not None:
+            causal = _causal_from_mask(attention_mask, nq, nk)
+        out = attention(query, key, value, variant=variant, causal=causal and nq > 1, scale=scaling,
+                        dropout_p=float(dropout), enable_gqa=query.shape[1] != key.shape[1], **params)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(name, sdpa_mask)
+    except ImportError:        # older transformers: masks are built per model as before
+        pass
+    return name
+
+
+def _causal_from_mask(mask, nq, nk) -> bool:
+    """A 4-D attention mask that is plain causal (bottom-right aligned) or all-visible -> causal flag;
+    anything else (padding, packed documents) raises: these kernels take no dense mask."""
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    allowed = allowed[..., -nq:, -nk:]
+    i = torch.arange(nq, device=mask.device)[:, None]
+    j = torch.arange(nk, device=mask.device)[None, :]
+    if bool(allowed.all()):
+        return False
+    if bool((allowed == (j <= i + nk - nq)).all()):
+        return True
+    raise ValueError("sandbox attention got an attention mask that is neither causal nor all-visible (padding?): "
+                     "these kernels take causal / window / block-sparse masks, not dense ones")
