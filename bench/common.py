@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,24 @@ import time
 from pathlib import Path
 
 import sandbox
+
+
+class UsageError(Exception):
+    """A mistake in the command line or a machine that cannot run the request: `python -m bench`
+    prints it as one `error: ...` line and exits 2, without a traceback."""
+
+
+def missing_for_gpu_families() -> str | None:
+    """What this machine lacks to run the table families (they time CUDA kernels through CuPy), as
+    one sentence with what to do about it, or None when nothing is missing. CuPy is looked up, not
+    imported, so the check is cheap and works the same with or without a GPU."""
+    from sandbox.device import has_gpu
+    missing = []
+    if not has_gpu():
+        missing.append("no CUDA GPU was found")
+    if importlib.util.find_spec("cupy") is None:
+        missing.append("CuPy is not installed (pip install -e .[cuda13], or .[cuda12] for a CUDA 12 driver)")
+    return "; ".join(missing) or None
 
 
 def stamp(**extra) -> dict:

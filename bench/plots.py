@@ -155,15 +155,31 @@ DRAW = {"grid": grid, "variants": variants, "softmax": softmax, "io": io, "memor
         "blocksparse": blocksparse, "dropout": dropout}
 
 
-def plot_dir(folder) -> list[Path]:
-    """A PNG beside every family JSON in folder; returns the paths written."""
-    written = []
-    for js in sorted(Path(folder).glob("*.json")):
+def family_jsons(folder) -> list[tuple[Path, dict, str]]:
+    """(path, data, family) of every JSON in folder that a figure exists for and that has rows.
+
+    A missing folder, or one with no such JSON, is a FileNotFoundError that says so: a plot run that
+    draws nothing is a mistake (a wrong path, a run that wrote no table), not a success."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    found = []
+    for js in sorted(folder.glob("*.json")):
         data = load(js)
         family = data.get("family", "")
         if family not in DRAW and js.stem.startswith("grid_"):
             family = "grid"
         if family in DRAW and data["rows"]:
-            DRAW[family](data, js.with_suffix(".png"))
-            written.append(js.with_suffix(".png"))
+            found.append((js, data, family))
+    if not found:
+        raise FileNotFoundError(f"{folder}: no family JSON with rows to plot (families: {', '.join(DRAW)})")
+    return found
+
+
+def plot_dir(folder) -> list[Path]:
+    """A PNG beside every family JSON in folder; returns the paths written."""
+    written = []
+    for js, data, family in family_jsons(folder):
+        DRAW[family](data, js.with_suffix(".png"))
+        written.append(js.with_suffix(".png"))
     return written

@@ -5,7 +5,11 @@
   fuzz             Hypothesis against the oracle for chosen variants, N examples, with a progress line
   compile-report   NVRTC compile of every CUDA variant (no GPU needed): registers, spills, shared memory
 
-Without a GPU, `run` and `fuzz` use the Numba variants under the CUDA simulator and say so.
+Without a GPU, `run` and `fuzz` use the Numba variants under the CUDA simulator and say so: with no
+--variants they skip the CUDA variants (named on stderr), and a CUDA variant named in --variants is
+an error. `run` takes --batch/--heads/--seqlen/--headdim in both modes; the ones not given default
+to a small problem in the simulator. A user error (unknown variant, bad parameter, a variant this
+machine cannot run) is one `error: ...` line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -30,23 +34,94 @@ def _mode_line() -> str:
     if has_gpu():
         return f"device: {device_name()}"
     return ("device: none found -> CUDA SIMULATOR (NUMBA_ENABLE_CUDASIM=1): Numba variants only, "
-            "small problem, wall-clock times of the simulation (not GPU figures)")
+            "small problem by default, wall-clock times of the simulation (not GPU figures)")
 
 
-def _chosen(names, need_gpu_backend=True):
-    """Variant specs ('name' or 'name:key=value+...') from --variants, those this machine can run."""
-    registry = all_variants()
-    picked = names.split(",") if names else sorted(registry)
-    for n in picked:
-        if parse_spec(n)[0] not in registry:
-            raise SystemExit(f"unknown variant {n!r}; registered: {sorted(registry)}")
-    backend = lambda spec: registry[parse_spec(spec)[0]].backend  # noqa: E731
+class UsageError(Exception):
+    """A mistake in the command line (an unknown variant, a bad parameter, a variant this machine
+    cannot run): main() prints it as one `error: ...` line and exits 2, without a traceback."""
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a problem dimension, a repetition or example count)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return n
+
+
+def _why_not_here(backend: str) -> str | None:
+    """Why this machine cannot run a variant of `backend`, or None if it can. Numba variants run
+    everywhere (on the GPU, or under the CUDA simulator); CUDA variants need a GPU and CuPy."""
+    if backend == "numba":
+        return None
     if not has_gpu():
-        picked = [n for n in picked if backend(n) == "numba"]
-    elif cupy_or_none() is None:
-        print("CuPy is not installed: skipping the CUDA variants (pip install -e .[cuda13])", file=sys.stderr)
-        picked = [n for n in picked if backend(n) != "cuda"]
-    return picked
+        return "no CUDA GPU was found (without one only the Numba variants run, under the CUDA simulator)"
+    if cupy_or_none() is None:
+        return "CuPy is not installed (pip install -e .[cuda13])"
+    return None
+
+
+def _bind(spec: str):
+    """A --variants entry ('name' or 'name:key=value+...') bound to its parameters; a bad name or
+    parameter is a UsageError carrying the registry's message."""
+    name, params = parse_spec(spec)
+    try:
+        return get_variant(name, **params)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _chosen(names):
+    """[(spec, bound variant)] for --variants, all checked before anything runs.
+
+    Explicitly named variants must all run here, else a UsageError says which cannot and why. With
+    no --variants, every registered variant this machine can run; the others are named on stderr.
+    """
+    if names is None:
+        specs, explicit = sorted(all_variants()), False
+    else:
+        specs, explicit = [n.strip() for n in names.split(",") if n.strip()], True
+        if not specs:
+            raise UsageError(f"--variants {names!r} names no variant; see `python -m sandbox list`")
+    bound = [(spec, _bind(spec)) for spec in specs]
+    why = {spec: _why_not_here(b.variant.backend) for spec, b in bound}
+    blocked = {}                                   # reason -> the specs it stops
+    for spec, reason in why.items():
+        if reason:
+            blocked.setdefault(reason, []).append(spec)
+    said = [f"{', '.join(stopped)}: {reason}" for reason, stopped in blocked.items()]
+    if said and explicit:
+        raise UsageError("cannot run " + "; ".join(said))
+    for line in said:
+        print(f"skipping {line}", file=sys.stderr, flush=True)
+    runnable = [(spec, b) for spec, b in bound if why[spec] is None]
+    if not runnable:
+        raise UsageError("no registered variant can run on this machine")
+    return runnable
+
+
+def _write_json(path: str, obj) -> None:
+    """--json output; a path that cannot be written (no such folder) is the user's to fix."""
+    try:
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+    except OSError as e:
+        raise UsageError(f"cannot write --json {path}: {e.strerror or e}") from None
+
+
+GPU_PROBLEM = {"batch": 4, "heads": 8, "seqlen": 1024, "headdim": 64}
+SIMULATOR_PROBLEM = {"batch": 1, "heads": 2, "seqlen": 16, "headdim": 8}   # the simulator is slow
+
+
+def _problem_dims(args, gpu: bool) -> tuple[int, int, int, int]:
+    """(B, H, N, d): the options the user gave, the rest from the GPU or simulator default."""
+    default = GPU_PROBLEM if gpu else SIMULATOR_PROBLEM
+    B, H, N, d = (getattr(args, k) if getattr(args, k) is not None else default[k] for k in default)
+    return B, H, N, d
 
 
 def cmd_list(args):
@@ -59,19 +134,20 @@ def cmd_list(args):
                      " ".join(feats), params))
     print(_table(("variant", "family", "backend", "dtypes", "head dims", "features", "parameters"), rows))
     if args.json:
-        json.dump(variants(), open(args.json, "w"), indent=1, default=str)
+        _write_json(args.json, variants())
 
 
 def cmd_run(args):
     from .timing import time_fn, tflops
     import numpy as np
-    print(_mode_line(), flush=True)
     gpu = has_gpu()
-    B, H, N, d = (args.batch, args.heads, args.seqlen, args.headdim) if gpu else (1, 2, 16, 8)
+    chosen = _chosen(args.variants)
+    B, H, N, d = _problem_dims(args, gpu)
+    print(_mode_line(), flush=True)
+    print(f"problem: B={B} H={H} N={N} d={d} causal={args.causal} (forward; FLOPs = 4 B H N^2 d"
+          f"{' / 2' if args.causal else ''})", flush=True)
     rows, records = [], []
-    for name in _chosen(args.variants):
-        vname, params = parse_spec(name)
-        bound = get_variant(vname, **params)
+    for name, bound in chosen:
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
             case = fuzz.Case(B, H, H, N, N, d, dtype, {"causal": args.causal}, 0)
             q, k, v, dout = case.inputs()
@@ -103,24 +179,22 @@ def cmd_run(args):
             rows.append((f"torch sdpa {be}", "float16", "baseline", f"{t.median_ms:.3f}",
                          f"{tflops(flops, t.median_ms):.2f}", t.clock))
             records.append({"variant": f"sdpa-{be}", "dtype": "float16", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
-    print(f"\nproblem: B={B} H={H} N={N} d={d} causal={args.causal} (forward; FLOPs = 4 B H N^2 d"
-          f"{' / 2' if args.causal else ''})")
+    print()
     print(_table(("variant", "dtype", "check vs oracle", "median ms", "TFLOP/s", "clock"), rows))
     if args.json:
-        json.dump({"mode": _mode_line(), "B": B, "H": H, "N": N, "d": d, "causal": args.causal,
-                   "rows": records}, open(args.json, "w"), indent=1)
+        _write_json(args.json, {"mode": _mode_line(), "B": B, "H": H, "N": N, "d": d, "causal": args.causal,
+                                "rows": records})
     if any(r[2].startswith("FAIL") for r in rows):
         raise SystemExit(1)
 
 
 def cmd_fuzz(args):
     from hypothesis import HealthCheck, given, settings
+    chosen = _chosen(args.variants)
     print(_mode_line(), flush=True)
     limits = fuzz.Limits() if has_gpu() else fuzz.Limits.simulator()
     failures = 0
-    for name in _chosen(args.variants):
-        vname, params = parse_spec(name)
-        bound = get_variant(vname, **params)
+    for name, bound in chosen:
         dirs = ["forward", "backward"] if bound.variant.caps.backward else ["forward"]
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
             for direction in (dirs if args.direction == "both" else [args.direction]):
@@ -153,7 +227,7 @@ def cmd_compile_report(args):
     tuned_spills = [r for r in spills if r["tuned"]]
     print(f"\n{len(rows)} kernel builds, {len(spills)} with spills, {len(tuned_spills)} of them in tuned configs")
     if args.json:
-        json.dump(rows, open(args.json, "w"), indent=1)
+        _write_json(args.json, rows)
     if tuned_spills:
         raise SystemExit(1)
 
@@ -167,20 +241,19 @@ def main(argv=None):
     s.set_defaults(fn=cmd_list)
     s = sub.add_parser("run", help="check and time variants on one problem")
     s.add_argument("--variants", help="comma-separated names (default: all)")
-    s.add_argument("--batch", type=int, default=4)
-    s.add_argument("--heads", type=int, default=8)
-    s.add_argument("--seqlen", type=int, default=1024)
-    s.add_argument("--headdim", type=int, default=64)
+    for k in GPU_PROBLEM:
+        s.add_argument(f"--{k}", type=_positive_int,
+                       help=f"default {GPU_PROBLEM[k]} on a GPU, {SIMULATOR_PROBLEM[k]} in the CUDA simulator")
     s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--causal", action="store_true")
     s.add_argument("--backward", action="store_true", help="also check the backward before timing")
-    s.add_argument("--reps", type=int, default=20)
+    s.add_argument("--reps", type=_positive_int, default=20)
     s.add_argument("--no-baselines", action="store_true")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_run)
     s = sub.add_parser("fuzz", help="Hypothesis against the oracle")
     s.add_argument("--variants")
-    s.add_argument("--examples", type=int, default=100)
+    s.add_argument("--examples", type=_positive_int, default=100)
     s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     s.add_argument("--derandomize", action="store_true")
@@ -190,7 +263,11 @@ def main(argv=None):
     s.add_argument("--json")
     s.set_defaults(fn=cmd_compile_report)
     args = p.parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ class Band:
 
     @classmethod
     def from_options(cls, Nq: int, Nk: int, causal: bool, window) -> "Band":
+        """The band of causal and window (DESIGN.md alignment), lo and hi clamped to
+        [-UNBOUNDED, UNBOUNDED]. |j - i| < 2**29 for every supported N, so a bound beyond
+        UNBOUNDED changes nothing (window=(2**40, 0) is window=(None, 0)), and clamping keeps the
+        band within the kernels' int32 arguments."""
         shift = Nk - Nq
         lo, hi = -UNBOUNDED, UNBOUNDED
         if window is not None:
@@ -43,7 +47,8 @@ class Band:
                 hi = shift + right
         if causal:
             hi = min(hi, shift)
-        return cls(int(lo), int(hi))
+        clamp = lambda x: max(-UNBOUNDED, min(UNBOUNDED, int(x)))  # noqa: E731
+        return cls(clamp(lo), clamp(hi))
 
     @property
     def unbounded(self) -> bool:

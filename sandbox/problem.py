@@ -1,14 +1,19 @@
 """One attention problem, validated: shapes, dtype and options, independent of any variant.
 
-Every check here runs before anything is launched and raises ValueError with the reason.
+Every check here runs before anything is launched and names the parameter it rejects: a value out
+of range is a ValueError, a value of the wrong type (`causal='False'`, `seed=1.5`) is an
+OptionTypeError, a TypeError that is also a ValueError (DESIGN.md: every rejection is one).
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .masks import Band, BlockSparse
-from .philox import dropout_threshold, split_seed
+from .philox import OptionTypeError, as_real, check_offset, check_seed, dropout_threshold, split_seed
 from .precision import DTYPES, dtype_name
 
 
@@ -63,21 +68,56 @@ def _shape(x, what):
         raise ValueError(f"{what} must be an array with a .shape, got {type(x).__name__}") from None
 
 
+def _causal(causal) -> bool:
+    """A Python or NumPy bool: a string such as 'False' is truthy and used to turn causal on."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise OptionTypeError(f"causal must be a bool, got {causal!r} ({type(causal).__name__})")
+    return bool(causal)
+
+
+def _scale(scale, d: int) -> float:
+    """None (1/sqrt(d)) or a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    scale = as_real(scale, "scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+WINDOW_SIDE_LIMIT = 2**62   # int64 sanity: a side this long is a bug, not a window
+
+
+def _window_side(side, window):
+    """None (unbounded) or an int (not bool, not float) with |side| < 2**62. Sides longer than the
+    sequence are fine: Band.from_options clamps them to unbounded."""
+    if side is None:
+        return None
+    if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+        raise OptionTypeError(f"window sides must be ints or None, got {side!r} ({type(side).__name__}) "
+                              f"in window={window!r}")
+    if abs(int(side)) >= WINDOW_SIDE_LIMIT:
+        raise ValueError(f"window sides must be smaller than 2**62 in magnitude, got window={window!r}")
+    return int(side)
+
+
 def _window(window):
+    """None or a pair (left, right) of window sides: a wrong type is an OptionTypeError, a wrong
+    length a ValueError, both naming `window`."""
     if window is None:
         return None
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be (left, right) with ints or None, got {window!r}") from None
-    for side in (left, right):
-        if side is not None and (isinstance(side, bool) or not float(side).is_integer()):
-            raise ValueError(f"window sides must be ints or None, got {window!r}")
-    return (None if left is None else int(left), None if right is None else int(right))
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__iter__"):
+        raise OptionTypeError(f"window must be None or (left, right) with ints or None, "
+                              f"got {window!r} ({type(window).__name__})")
+    sides = tuple(window)
+    if len(sides) != 2:
+        raise ValueError(f"window must be (left, right) with ints or None, got {window!r}")
+    return tuple(_window_side(side, window) for side in sides)
 
 
 def make_problem(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
                  block_mask=None) -> Problem:
+    """The validated problem: shapes and dtype first, then every option's type and range."""
     qs, ks, vs = _shape(q, "q"), _shape(k, "k"), _shape(v, "v")
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
         raise ValueError(f"q, k, v must be 4-D (B, H, N, d); got {qs}, {ks}, {vs}")
@@ -97,21 +137,14 @@ def make_problem(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offse
     dtype = dts.pop()
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; expected one of {DTYPES}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    dropout_p = float(dropout_p)
+    causal, scale, window = _causal(causal), _scale(scale, d), _window(window)
+    dropout_p = as_real(dropout_p, "dropout_p")
     dropout_threshold(dropout_p)          # raises for p outside [0, 1)
-    split_seed(seed)                      # raises for seeds outside [0, 2**64)
-    if not 0 <= int(offset) < 2**32:
-        raise ValueError(f"offset must be in [0, 2**32), got {offset}")
+    seed, offset = check_seed(seed), check_offset(offset)
     if block_mask is not None:
         if not isinstance(block_mask, BlockSparse):
             raise ValueError(f"block_mask must be sandbox.masks.BlockSparse, got {type(block_mask).__name__}")
         block_mask.validate(Hq, Nq, Nk)
     if max(Nq, Nk) >= 2**29:
         raise ValueError(f"sequence lengths must be < 2**29, got Nq={Nq}, Nk={Nk}")
-    return Problem(B, Hq, Hkv, Nq, Nk, d, dtype, bool(causal), _window(window), scale, dropout_p,
-                   int(seed), int(offset), block_mask)
+    return Problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, window, scale, dropout_p, seed, offset, block_mask)

@@ -60,3 +60,16 @@ def test_tile_classes_are_exact(problem):
                 tile = vis[h, r * Br:(r + 1) * Br, c * Bc:(c + 1) * Bc]
                 want = TILE_EMPTY if not tile.any() else TILE_FULL if tile.all() else TILE_PARTIAL
                 assert cls[min(h, cls.shape[0] - 1), r, c] == want, (h, r, c)
+
+
+@given(st.integers(1, 12), st.integers(1, 12), st.booleans(),
+       st.tuples(*[st.one_of(st.none(), st.integers(-2**61, 2**61), st.integers(-20, 20))] * 2))
+def test_band_stays_in_int32_and_matches_the_window_definition(Nq, Nk, causal, window):
+    """Huge sides clamp to UNBOUNDED (kernels take the band as int32) without changing the mask."""
+    band = Band.from_options(Nq, Nk, causal, window)
+    assert -2**30 <= band.lo <= 2**30 and -2**30 <= band.hi <= 2**30
+    left, right = window
+    shift = Nk - Nq
+    want = [[(left is None or j >= i + shift - left) and (right is None or j <= i + shift + right)
+             and (not causal or j <= i + shift) for j in range(Nk)] for i in range(Nq)]
+    assert band.element_mask(Nq, Nk).tolist() == want
