@@ -28,19 +28,21 @@ def _torch():
     return torch
 
 
-def host_us(fn, calls=300):
-    """Host microseconds per call with the GPU busy (calls only enqueue)."""
+def host_us(fn, calls=200, trials=5):
+    """Host microseconds per call with the GPU busy (calls only enqueue): the median of `trials`."""
     torch = _torch()
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9))            # ~1 s of GPU time: every call below only enqueues
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    per_call = []
+    for _ in range(trials):
+        torch.cuda._sleep(int(3e8))        # ~0.15 s of GPU time: every call below only enqueues
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(per_call)[trials // 2]
 
 
 def loop_ms(fn, calls=30, reps=5):

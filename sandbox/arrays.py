@@ -28,8 +28,8 @@ def kind_of(x) -> str:
     mod = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
         return "numpy"
-    if mod == "cupy":
-        return "cupy"
+    if mod in ("cupy", "torch"):       # torch: before hasattr, which torch's interface raises through
+        return mod
     if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
         return mod
     raise ValueError(f"unsupported array type {type(x).__name__}: pass NumPy, CuPy, or a DLPack / "

@@ -9,8 +9,9 @@ PyTorch is an optional extra: this module is the only one that imports it at the
 
 Two routes, one implementation (`_forward`, `_backward` below, which call sandbox.api and so the plan
 path of sandbox/fastpath.py):
-- eager calls run a `torch.autograd.Function`: its dispatch costs a few microseconds, where the
-  custom op's Python dispatch costs more (bench/host_cost.py measures both);
+- eager calls run a `torch.autograd.Function` where a gradient is needed, and the implementation
+  directly where none is: the custom op's Python dispatch costs more per call (bench/host_cost.py
+  measures each route beside SDPA);
 - under torch.compile (`torch.compiler.is_compiling()`), the custom ops `sandbox::attention_fwd`
   and `sandbox::attention_bwd`, registered through `torch.library` with fake (meta) kernels and an
   autograd formula, so that `torch.compile(fullgraph=True)` traces a model without graph breaks.
@@ -179,8 +180,10 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
                has_window, left, right, layout, int(bq), int(bk))
     if torch.compiler.is_compiling():
         out, _ = attention_fwd(q, k, v, seed, *options)
-    else:
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, _ = _Attention.apply(q, k, v, seed, *options)
+    else:                               # nothing to differentiate: no autograd node to build
+        out, _ = _forward(q, k, v, seed, *options)
     return out
 
 

@@ -45,6 +45,11 @@ class FA1TensorCore(FA2TensorCore):
     # no spills at D = 64 and 128 (Br=64 with 4 warps spills 88 bytes at D = 128 with dropout)
     TUNED = {(128, 64, 8, "auto")}
 
+    # FA2TensorCore's pointer-level plans launch fa2_tc's grid without fa1's O / m / l scratch: not
+    # for this kernel, which takes the generic path (sandbox/fastpath.py)
+    forward_plan = None
+    backward_plan = None
+
     def configure(self, block_r=128, block_c=64, warps=8, philox_rounds=10):
         return FA1TCConfig(block_r, block_c, warps, "auto", philox_rounds)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from sandbox import arrays
 from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
 from sandbox.launch import (LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table,
-                            u32, u64)
-from sandbox.loader import CompileUnit, get_kernel, launch
+                            u32)
+from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
@@ -368,19 +368,18 @@ class FA2TensorCore:
             _check_row_strides(strides[nm], nm, self.name)
         D, dropout = d_pad(p.d), p.dropout_p > 0
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
-        fn = get_kernel(unit, name).kernel
         tiles, tile_heads = tile_table(p, config.block_r, config.bc(D, dropout), xp)
-        tail = (tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(scale_log2(p.scale)), *mask_args(p, xp))
         sq, sk, sv = (tuple(i64(x) for x in strides[nm][:3]) for nm in ("q", "k", "v"))
-        grid, block, smem = (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,), unit.dynamic_smem[name]
-        thr, inv = u32(p.dropout_threshold), f32(1.0 / (1.0 - p.dropout_p))
+        args = (Slot("q"), *sq, Slot("k"), *sk, Slot("v"), *sv, Slot("out"), Slot("lse"), tiles, tile_heads,
+                i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(scale_log2(p.scale)), *mask_args(p, xp),
+                *_dropout_slots(p))
+        kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
+                              (32 * config.warps,), unit.dynamic_smem[name], args)
 
         def run(ptr, seed, offset, stream):
             _check_aligned(ptr, ("q", "k", "v"), self.name)
-            fn(grid, block, (u64(ptr["q"]), *sq, u64(ptr["k"]), *sk, u64(ptr["v"]), *sv, u64(ptr["out"]),
-                             u64(ptr["lse"]), *tail, thr, inv, u64(seed), u32(offset)),
-               shared_mem=smem, stream=stream)
+            ptr["seed"], ptr["offset"] = seed, offset
+            kernel(ptr, stream)
 
         buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
         return LaunchPlan(buffers, run, keep=(tiles,))
@@ -397,43 +396,46 @@ class FA2TensorCore:
         D, dropout = d_pad(p.d), p.dropout_p > 0
         unit = config.backward_unit(p.dtype, D)
         name = config.backward_name(p.dtype, D, dropout)
-        rowdot, col = get_kernel(unit, config.rowdot_name(p.dtype)).kernel, get_kernel(unit, name).kernel
         br, bc, warps, _ = config.bwd_geometry(D)
         tiles, tile_heads = tile_table(p, br, bc, xp)
         st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
         rows = p.B * p.Hq * p.Nq
-        rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp))
-        thr, inv = u32(p.dropout_threshold), f32(1.0 / (1.0 - p.dropout_p))
-        heads = (i32(p.Hq), i32(p.Hkv), i32(p.group))
-        col_geom = ((-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,), unit.dynamic_smem[name])
+        rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *_dropout_slots(p))
+        operands = tuple(x for nm in ("q", "k", "v", "dout") for x in (Slot(nm), *st[nm])) + (Slot("lse"), Slot("D"))
+        kernels = [
+            PackedLaunch(get_kernel(unit, config.rowdot_name(p.dtype)).kernel, (-(-rows // 32),), (256,), 0,
+                         (Slot("dout"), *st["dout"], Slot("out"), *st["out"], Slot("D"), i32(p.Hq), i32(p.Nq),
+                          i32(p.d), i64(rows))),
+            PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,),
+                         unit.dynamic_smem[name],
+                         (*operands, Slot("dq"), Slot("dk"), Slot("dv"), tiles, tile_heads, i32(p.Hq), i32(p.Hkv),
+                          i32(p.group), *rest))]
+        keep = [tiles]
         if config.deterministic:
             dq_name = config.dq_name(p.dtype, D, dropout)
-            dq_fn = get_kernel(unit, dq_name).kernel
-            dq_tiles = tile_table(p, config.DQ_BR, config.DQ_BC, xp) if (br, bc) != (config.DQ_BR, config.DQ_BC) \
-                else (tiles, tile_heads)
-            dq_geom = ((-(-p.Nq // config.DQ_BR), p.B * p.Hq), (32 * config.DQ_WARPS,), unit.dynamic_smem[dq_name])
+            dq_tiles = tile_table(p, config.DQ_BR, config.DQ_BC, xp)
+            keep.append(dq_tiles[0])
+            kernels.append(PackedLaunch(get_kernel(unit, dq_name).kernel, (-(-p.Nq // config.DQ_BR), p.B * p.Hq),
+                                        (32 * config.DQ_WARPS,), unit.dynamic_smem[dq_name],
+                                        (*operands, Slot("dq"), *dq_tiles, i32(p.Hq), i32(p.group), *rest)))
 
         def run(ptr, seed, offset, stream):
             _check_aligned(ptr, ("q", "k", "v", "out", "dout"), self.name)
-            u = {nm: u64(ptr[nm]) for nm in ("q", "k", "v", "out", "dout", "lse", "D", "dq", "dk", "dv")}
-            drop = (thr, inv, u64(seed), u32(offset))
-            rowdot((-(-rows // 32),), (256,), (u["dout"], *st["dout"], u["out"], *st["out"], u["D"], i32(p.Hq),
-                                               i32(p.Nq), i32(p.d), i64(rows)), stream=stream)
-            operands = (u["q"], *st["q"], u["k"], *st["k"], u["v"], *st["v"], u["dout"], *st["dout"], u["lse"], u["D"])
-            grid, block, smem = col_geom
-            col(grid, block, (*operands, u["dq"], u["dk"], u["dv"], tiles, tile_heads, *heads, *rest, *drop),
-                shared_mem=smem, stream=stream)
-            if config.deterministic:
-                grid, block, smem = dq_geom
-                dq_fn(grid, block, (*operands, u["dq"], *dq_tiles, i32(p.Hq), i32(p.group), *rest, *drop),
-                      shared_mem=smem, stream=stream)
+            ptr["seed"], ptr["offset"] = seed, offset
+            for kernel in kernels:
+                kernel(ptr, stream)
 
         kv = (p.B, p.Hkv, p.Nk, p.d)
         buffers = {"D": ((p.B, p.Hq, p.Nq), "float32", False),
                    "dq": ((p.B, p.Hq, p.Nq, p.d), p.dtype if config.deterministic else "float32",
                           not config.deterministic),
                    "dk": (kv, p.dtype, False), "dv": (kv, p.dtype, False)}
-        return LaunchPlan(buffers, run, keep=(tiles,))
+        return LaunchPlan(buffers, run, keep=tuple(keep))
+
+
+def _dropout_slots(p):
+    """DROPOUT_PARAMS of common.cuh with seed and offset filled per call."""
+    return (u32(p.dropout_threshold), f32(1.0 / (1.0 - p.dropout_p)), Slot("seed", "u64"), Slot("offset", "u32"))
 
 
 def _check_row_strides(st, name, variant):

@@ -20,7 +20,7 @@ import numpy as np
 
 from sandbox import numba_support as nb
 from sandbox.numba_support import cuda
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.registry import Capabilities, Variant, philox_rounds_param, register
 
 THREADS = 128
 
@@ -90,7 +90,7 @@ def forward_kernel(D: int, rounds: int):
             for c in range(D):
                 acc[c] = acc[c] * correction + pd * v[b, hk, j, c]
             m = m_new
-        if l > 0:
+        if l != 0:                                     # NaN is not a dead row: only an exactly zero sum is
             inv_l = np.float32(1.0) / l
             for c in range(D):
                 out[b, h, i, c] = acc[c] * inv_l
@@ -195,7 +195,7 @@ class RowwiseConfig:
 def _common_args(p):
     bm = p.block_mask
     if bm is None:
-        layout, heads, bq, bk = nb.asarray(np.zeros((1, 1, 1), np.uint8)), 0, 1, 1
+        layout, heads, bq, bk = nb.zeros((1, 1, 1), np.uint8), 0, 1, 1      # on the device: no host copy
     else:
         layout, heads, (bq, bk) = nb.asarray(bm.layout.astype(np.uint8)), bm.layout.shape[0], bm.block
     lo, hi = p.seed_words
@@ -219,7 +219,7 @@ class Rowwise:
         out = nb.empty((p.B, p.Hq, p.Nq, p.d), np.float32)
         lse = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         grid, block = _grid(p.B * p.Hq * p.Nq)
-        forward_kernel(p.d, config.philox_rounds)[grid, block](q, k, v, out, lse, *_common_args(p))
+        nb.launch(forward_kernel(p.d, config.philox_rounds), grid, block, q, k, v, out, lse, *_common_args(p))
         return out, lse
 
     def backward(self, p, dout, q, k, v, out, lse, config):
@@ -230,9 +230,9 @@ class Rowwise:
         Dbuf = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         args = _common_args(p)
         grid, block = _grid(p.B * p.Hq * p.Nq)
-        dq_kernel[grid, block](q, k, v, out, dout, lse, dq, Dbuf, *args)
+        nb.launch(dq_kernel, grid, block, q, k, v, out, dout, lse, dq, Dbuf, *args)
         grid, block = _grid(p.B * p.Hkv * p.Nk)
-        dkdv_kernel[grid, block](q, k, v, dout, lse, Dbuf, dk, dv, *args)
+        nb.launch(dkdv_kernel, grid, block, q, k, v, dout, lse, Dbuf, dk, dv, *args)
         return dq, dk, dv
 
 
@@ -240,7 +240,7 @@ register(Variant(
     name="numba-rowwise", family="fa2", backend="numba",
     description="one thread per row, online softmax, no tiling (Numba CUDA; runs under the simulator)",
     impl=Rowwise(),
-    params=(Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),),
+    params=(philox_rounds_param(),),
     caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 257))),
     seed_ref="FA2 paper Algorithms 1-2 with Br = Bc = 1; lecture Algorithm 3 (online softmax)",
 ))

@@ -41,7 +41,8 @@ import numpy as np
 from sandbox import numba_support as nb
 from sandbox.masks import classify_tiles
 from sandbox.numba_support import cuda
-from sandbox.registry import Capabilities, Param, Variant, register
+from sandbox.launch import tile_table
+from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 from .numba_rowwise import _common_args, make_mask_helpers
 
@@ -141,11 +142,11 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                 i = row0 + r
                 if i < Nq:
                     l = sL[r]
-                    out[b, h, i, x] = acc[y] / l if l > 0 else f32(0.0)
+                    out[b, h, i, x] = acc[y] / l if l != 0 else f32(0.0)   # NaN is not a dead row: only l == 0 is
         for r in range(t, BR, THREADS):
             i = row0 + r
             if i < Nq:
-                lse[b, h, i] = sM[r] + math.log(sL[r]) if sL[r] > 0 else -math.inf
+                lse[b, h, i] = sM[r] + math.log(sL[r]) if sL[r] != 0 else -math.inf
 
     return fwd
 
@@ -206,8 +207,8 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                 for r in range(t, BR, THREADS):                  # m~, P~, l~ and the HBM statistics
                     i = row0 + r
                     mt = -math.inf
-                    for c in range(BC):
-                        mt = max(mt, sS[r, c])
+                    for c in range(BC):                      # a NaN max (max() drops NaN): not a dead row
+                        mt = sS[r, c] if sS[r, c] > mt or sS[r, c] != sS[r, c] else mt
                     if i >= Nq or mt == -math.inf:               # nothing visible: O_i unchanged
                         sA[r] = 1.0
                         sB[r] = 0.0
@@ -238,7 +239,7 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                         out[b, h, i, x] = sA[r] * out[b, h, i, x] + sB[r] * pv
         cuda.syncthreads()
         for i in range(t, Nq, THREADS):
-            lse[b, h, i] = M[b, h, i] + math.log(L[b, h, i]) if L[b, h, i] > 0 else -math.inf
+            lse[b, h, i] = M[b, h, i] + math.log(L[b, h, i]) if L[b, h, i] != 0 else -math.inf   # NaN: not dead
 
     return fwd
 
@@ -413,7 +414,12 @@ class NumbaTiled:
                              f"shared memory (> {SMEM_STATIC} B in Numba): lower block_r or block_c")
 
     def _tiles(self, p, br, bc):
-        return nb.asarray(classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask))
+        """The tile table: on a GPU the device copy cached by content (sandbox.launch.tile_table), so a
+        repeated call uploads nothing (no host wait, and nothing to copy inside a CUDA-graph capture)."""
+        if nb.SIMULATOR:
+            return classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)
+        import cupy
+        return tile_table(p, br, bc, cupy)[0]
 
     def forward(self, p, q, k, v, config):
         c = config.resolved(p.d, self.fa1)
@@ -421,14 +427,14 @@ class NumbaTiled:
         lse = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         tiles = self._tiles(p, c.block_r, c.block_c)
         if self.fa1:
-            out = nb.asarray(np.zeros((p.B, p.Hq, p.Nq, p.d), np.float32))
-            M = nb.asarray(np.full((p.B, p.Hq, p.Nq), -np.inf, np.float32))
-            L = nb.asarray(np.zeros((p.B, p.Hq, p.Nq), np.float32))
+            out = nb.zeros((p.B, p.Hq, p.Nq, p.d), np.float32)
+            M = nb.full((p.B, p.Hq, p.Nq), -np.inf, np.float32)
+            L = nb.zeros((p.B, p.Hq, p.Nq), np.float32)
             kernel = fa1_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds)
-            kernel[(1, p.B * p.Hq), c.threads](q, k, v, out, M, L, lse, tiles, *_common_args(p))
+            nb.launch(kernel, (1, p.B * p.Hq), c.threads, q, k, v, out, M, L, lse, tiles, *_common_args(p))
         else:
             kernel = fa2_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds)
-            kernel[(-(-p.Nq // c.block_r), p.B * p.Hq), c.threads](q, k, v, out, lse, tiles, *_common_args(p))
+            nb.launch(kernel, (-(-p.Nq // c.block_r), p.B * p.Hq), c.threads, q, k, v, out, lse, tiles, *_common_args(p))
         return out, lse
 
     def backward(self, p, dout, q, k, v, out, lse, config):
@@ -440,12 +446,12 @@ class NumbaTiled:
         preprocess, dkdv = fa2_backward_kernels(p.d, br, bc, threads, config.philox_rounds)
         Dv = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         n = p.B * p.Hq * p.Nq
-        preprocess[(-(-n // 128),), 128](dout, out, Dv)
-        dq = nb.asarray(np.zeros((p.B, p.Hq, p.Nq, p.d), np.float32))
+        nb.launch(preprocess, (-(-n // 128),), 128, dout, out, Dv)
+        dq = nb.zeros((p.B, p.Hq, p.Nq, p.d), np.float32)
         dk = nb.empty((p.B, p.Hkv, p.Nk, p.d), np.float32)
         dv = nb.empty((p.B, p.Hkv, p.Nk, p.d), np.float32)
         tiles = self._tiles(p, br, bc)
-        dkdv[(-(-p.Nk // bc), p.B * p.Hkv), threads](q, k, v, dout, lse, Dv, dq, dk, dv, tiles, *_common_args(p))
+        nb.launch(dkdv, (-(-p.Nk // bc), p.B * p.Hkv), threads, q, k, v, dout, lse, Dv, dq, dk, dv, tiles, *_common_args(p))
         return dq, dk, dv
 
 
@@ -454,7 +460,7 @@ def _params():
         Param("block_r", ("auto", 8, 16, 32, 64), "auto", "Br: query rows per tile (auto: largest within 48 KB)"),
         Param("block_c", ("auto", 8, 16, 32, 64), "auto", "Bc: keys per tile (auto: largest within 48 KB)"),
         Param("threads", (32, 64, 128, 256), 128, "threads per block"),
-        Param("philox_rounds", (10, 7), 10, "Philox rounds of the dropout RNG"),
+        philox_rounds_param(),
     )
 
 
