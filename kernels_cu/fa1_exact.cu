@@ -203,7 +203,9 @@ fa1_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
             for (int r = rfirst; r < rend; r += rstep) {
                 const int i = row0 + r;
                 const float mt = sM[r];
-                if (i >= Nq || mt == NEG_INF) continue;  // nothing visible in this tile
+                // nothing visible in this tile. NaN is not a dead row: only an exactly zero sum is (fmaxf
+                // drops NaN, so a tile whose visible scores are all NaN has max -inf and sum NaN)
+                if (i >= Nq || sL[r] == 0.0f) continue;
                 const float m_old = Mb[i], l_old = Lb[i];
                 const float m_new = fmaxf(m_old, mt);
                 const float a = expf(m_old - m_new), bt = expf(mt - m_new);
@@ -218,7 +220,7 @@ fa1_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
     }
     __syncthreads();                                    // the last step's m, l are in HBM
     for (int i = threadIdx.x; i < Nq; i += THREADS)
-        LSE[(long long)bh * Nq + i] = Lb[i] > 0.0f ? Mb[i] + logf(Lb[i]) : NEG_INF;
+        LSE[(long long)bh * Nq + i] = Lb[i] == 0.0f ? NEG_INF : Mb[i] + logf(Lb[i]);   // NaN is not a dead row: only an exactly zero sum is
 }
 
 // FA1 Algorithm 4: one block per (batch, K/V head) walks every K/V tile; dQ read-modified-written.

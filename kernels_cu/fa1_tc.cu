@@ -129,7 +129,7 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
                     const int r = row_base + mt * 16 + g + 8 * hr;
                     if (r >= Nq) continue;
-                    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+                    const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;   // NaN is not a dead row: only an exactly zero sum is
 #pragma unroll
                     for (int n = 0; n < ND; ++n) {
                         const int c = n * 8 + 2 * tq;
@@ -151,5 +151,5 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     for (long long e = threadIdx.x; e < (long long)Nq * d; e += THREADS)
         O[(long long)bh * Nq * d + e] = static_cast<T>(Ob[e]);
     for (int r = threadIdx.x; r < Nq; r += THREADS)
-        LSE[(long long)bh * Nq + r] = Lb[r] > 0.0f ? (Mb[r] + log2f(Lb[r])) * LN2 : NEG_INF;
+        LSE[(long long)bh * Nq + r] = Lb[r] == 0.0f ? NEG_INF : (Mb[r] + log2f(Lb[r])) * LN2;   // NaN is not a dead row: only an exactly zero sum is
 }

@@ -193,14 +193,14 @@ fa2_forward(const float* __restrict__ Q, long long q_sb, long long q_sh, long lo
     for (int r = 0; r < ROWS; ++r) {
         const int i = row0 + wrow + r;
         if (i >= Nq) break;
-        const float inv_l = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        const float inv_l = l[r] == 0.0f ? 0.0f : 1.0f / l[r];     // NaN is not a dead row: only an exactly zero sum is
         float* o = O + ((long long)bh * Nq + i) * d;
 #pragma unroll
         for (int u = 0; u < DPL; ++u) {
             const int c = lane + 32 * u;
             if (c < d) o[c] = acc[r][u] * inv_l;
         }
-        if (lane == 0) LSE[(long long)bh * Nq + i] = l[r] > 0.0f ? m[r] + logf(l[r]) : NEG_INF;
+        if (lane == 0) LSE[(long long)bh * Nq + i] = l[r] == 0.0f ? NEG_INF : m[r] + logf(l[r]);
     }
 }
 

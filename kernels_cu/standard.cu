@@ -103,8 +103,8 @@ standard_softmax(T* __restrict__ S,              // [B, H, Nq, Nk] in: scores, o
     for (int j = threadIdx.x; j < Nk; j += ROW_THREADS)
         if (mask.visible(h, i, j)) l += expf(to_float(s[j]) - m_safe);
     l = block_reduce<ROW_THREADS>(l, false, scratch);
-    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-    if (threadIdx.x == 0) lse[row] = l > 0.0f ? m_safe + logf(l) : NEG_INF;
+    const float inv_l = l == 0.0f ? 0.0f : 1.0f / l;          // NaN is not a dead row: only an exactly zero sum is
+    if (threadIdx.x == 0) lse[row] = l == 0.0f ? NEG_INF : m_safe + logf(l);
     for (int j4 = threadIdx.x; 4 * j4 < Nk; j4 += ROW_THREADS) {
         const uint4 w = drop.threshold ? dropout_words<ROUNDS>(drop, bh, i, j4) : make_uint4(0, 0, 0, 0);
 #pragma unroll

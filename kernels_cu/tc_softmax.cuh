@@ -151,7 +151,7 @@ __device__ __forceinline__ void write_output(const float (&o)[MT][ND][4], const 
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             const int i = row_base + mt * 16 + g + 8 * hr;
             if (i >= Nq) continue;
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;   // NaN is not a dead row: only an exactly zero sum is
             T* orow = O + ((long long)bh * Nq + i) * d;
 #pragma unroll
             for (int n = 0; n < ND; ++n) {
@@ -159,7 +159,7 @@ __device__ __forceinline__ void write_output(const float (&o)[MT][ND][4], const 
                 if (c < d)
                     *reinterpret_cast<unsigned*>(orow + c) = Elem<T>::pack(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
             }
-            if (tq == 0) LSE[(long long)bh * Nq + i] = sum > 0.0f ? (m[mt][hr] + log2f(sum)) * LN2 : NEG_INF;
+            if (tq == 0) LSE[(long long)bh * Nq + i] = sum == 0.0f ? NEG_INF : (m[mt][hr] + log2f(sum)) * LN2;
         }
 }
 

@@ -10,6 +10,24 @@ mask (causal / window / block-sparse, bottom-right aligned), softmax, dropout (t
 GQA/MQA: query head h reads K/V head h // (Hq // Hkv); dK and dV sum over the group.
 A row that sees no key has out = 0, lse = -inf and zero gradients.
 
+NaN inputs propagate, as in PyTorch (issue 15); a NaN is not a masked key. The mask is applied
+first (masked scores are -inf before the row max), so a NaN at a masked position is dropped, and a
+masked key adds no term to P V (not a 0 * NaN one):
+- a NaN in q[b, h, i, :] makes row i's out and lse NaN, if row i sees at least one key (a row that
+  sees none stays dead: out 0, lse -inf);
+- a NaN in k[b, hk, j, :] makes out and lse NaN in every row that sees key j; a NaN in v[b, hk, j, c]
+  makes out[..., c] NaN in those rows (lse untouched); rows that do not see key j are unaffected;
+- only a row with no visible key (row max -inf, sum exactly 0) is dead; a NaN row max or sum is not.
+The backward is the textbook equations above in IEEE arithmetic, with P = 0 at masked entries:
+0 * NaN = NaN, so a NaN row's dS (D_i is NaN) is NaN across the row, and dQ = scale dS K, dK =
+scale dS^T Q pick up NaN from any NaN row of K or Q of the head (e.g. a NaN q_i makes dK NaN for
+every key of its K/V head). For NaN in q and k that is the most NaN a kernel may produce: one that
+skips masked tiles (or entries) leaves finite some entries the oracle has NaN, never the reverse.
+Known gap in the kernels: the tiled ones form P V over whole tiles (standard over every key), so a
+NaN in v[j] also reaches, as 0 * NaN, rows that do not see key j (those in its tile; for standard,
+all); only numba-rowwise skips masked keys. tests/test_gpu_nan.py puts NaN in q and k only.
+Infinite inputs are out of scope.
+
 `precision="float16"` (or "bfloat16", "float32") is the same-precision mode used by the
 tensor-core tolerance rule: inputs and the materialised intermediates (S, P, O; dP, dS and the
 gradients) are rounded to that dtype, as a naive kernel in that precision would store them.
@@ -42,16 +60,28 @@ def _probabilities(q, k, scale, causal, window, block_mask, rnd):
     Nk = k.shape[2]
     s = rnd(np.einsum("bhid,bhjd->bhij", q, k) * scale)      # one rounding, as a GEMM epilogue does
     vis = element_mask(H, Nq, Nk, causal, window, block_mask)[None]
-    s = np.where(vis, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    alive = np.isfinite(m)
+    s = np.where(vis, s, -np.inf)               # before the max: a NaN at a masked position is dropped
+    m = s.max(axis=-1, keepdims=True)           # NaN where a visible score is NaN (np.max propagates it)
+    alive = m != -np.inf                        # NaN is not a dead row: only a row with no visible key is
     m_safe = np.where(alive, m, 0.0)
-    e = np.exp(s - m_safe)                      # masked entries: exp(-inf) = 0
+    with np.errstate(invalid="ignore"):
+        e = np.where(vis, np.exp(s - m_safe), 0.0)   # masked entries 0, also in a NaN row (exp(-inf - NaN))
     l = e.sum(axis=-1, keepdims=True)
-    p = rnd(np.where(alive, e / np.where(alive, l, 1.0), 0.0))
+    p = rnd(np.where(alive & vis, e / np.where(alive, l, 1.0), 0.0))
     with np.errstate(divide="ignore"):
         lse = np.where(alive, m_safe + np.log(np.where(alive, l, 1.0)), -np.inf)[..., 0]
     return p, lse, vis
+
+
+def _pv(pd, v, vis):
+    """O = P V over the visible keys only: a masked key adds no term, not a 0 * NaN one (a NaN in v
+    reaches the rows that see its key). The same einsum as before where v has no NaN."""
+    bad = np.isnan(v)
+    if not bad.any():
+        return np.einsum("bhij,bhjd->bhid", pd, v)
+    out = np.einsum("bhij,bhjd->bhid", pd, np.where(bad, 0.0, v))
+    hit = np.einsum("bhij,bhjd->bhid", np.broadcast_to(vis, pd.shape).astype(np.float64), bad.astype(np.float64))
+    return np.where(hit > 0, np.nan, out)
 
 
 def _dropout(shape, dropout_p, seed, offset, rounds):
@@ -66,10 +96,10 @@ def forward(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, 
     rnd = lambda x: round_to(x, precision)  # noqa: E731  identity for float64
     q, k, v = (rnd(x) for x in (q, k, v))
     q, k, v, scale, _ = _prepare(q, k, v, scale)
-    p, lse, _ = _probabilities(q, k, scale, causal, window, block_mask, rnd)
+    p, lse, vis = _probabilities(q, k, scale, causal, window, block_mask, rnd)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     pd = p if z is None else rnd(p * z)
-    out = rnd(np.einsum("bhij,bhjd->bhid", pd, v))
+    out = rnd(_pv(pd, v, vis))
     return out, lse
 
 
@@ -81,10 +111,10 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
     q, k, v, dout = (rnd(x) for x in (q, k, v, dout))
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, rnd)
+    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, rnd)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     pd = p if z is None else rnd(p * z)
-    out = rnd(np.einsum("bhij,bhjd->bhid", pd, vr))
+    out = rnd(_pv(pd, vr, vis))                 # the forward's output (D reads it)
     dv = np.einsum("bhij,bhid->bhjd", pd, dout)
     dpd = rnd(np.einsum("bhid,bhjd->bhij", dout, vr))
     dp = dpd if z is None else dpd * z

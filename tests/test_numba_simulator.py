@@ -49,3 +49,34 @@ def test_numba_philox_matches_numpy():
         fill[1, 64](ctr, np.uint32(0xDEADBEEF), np.uint32(12345), out)
         want = philox4x32(ctr.T, (0xDEADBEEF, 12345), rounds)
         assert np.array_equal(out, want)
+
+
+@pytest.mark.simulator
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # -inf - -inf = NaN, on purpose
+@pytest.mark.parametrize("name", ["numba-rowwise", "numba-fa2", "numba-fa1"])
+def test_numba_nan_query_row_propagates(name):
+    """Issue 15: a NaN in q makes that row's out and lse NaN (it is not a dead row); every other row
+    matches the oracle; the backward has no NaN where the oracle has none."""
+    import sandbox
+    from sandbox import oracle
+    variant = all_variants()[name]
+    bound = get_variant(name, **getattr(variant.impl, "SIMULATOR_PARAMS", {}))
+    rng = np.random.default_rng(15)
+    q, k, v, dout = (rng.standard_normal((1, 1, 8, 8)).astype(np.float32) for _ in range(4))
+    q[0, 0, 5, 2] = np.nan
+    res = sandbox.forward(q, k, v, variant=bound, causal=True)
+    ref_out, ref_lse = oracle.forward(q, k, v, causal=True)
+    out, lse = np.asarray(res.out, np.float64), np.asarray(res.lse, np.float64)
+    assert np.isnan(out[0, 0, 5]).all() and np.isnan(lse[0, 0, 5])
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    fin = ~np.isnan(ref_out)
+    np.testing.assert_allclose(out[fin], ref_out[fin], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse[~np.isnan(ref_lse)], ref_lse[~np.isnan(ref_lse)], rtol=1e-5, atol=1e-5)
+    if not variant.caps.backward:
+        return
+    for got, ref in zip(sandbox.backward(dout, res), oracle.backward(dout, q, k, v, causal=True)):
+        got, fin = np.asarray(got, np.float64), ~np.isnan(ref)
+        assert not np.isnan(got[fin]).any()
+        np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-4, atol=1e-5)
+    assert np.isnan(np.asarray(sandbox.backward(dout, res)[0])[0, 0, 5]).all()    # dQ of the NaN row

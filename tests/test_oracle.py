@@ -157,3 +157,81 @@ def test_output_rounding_bound_covers_d_formed_from_a_16_bit_output(shape):
             ratio = np.abs(got - ref).max() / (EPS["float16"] * bound[name])
             worst = max(worst, ratio)
     assert 0.01 < worst <= 1.0, worst     # covered, and not vacuous
+
+
+# ---- NaN inputs propagate (issue 15); rows that see no key stay dead (out 0, lse -inf)
+
+def _nan_case(Hq=2, Hkv=2, Nq=6, Nk=6, d=3, seed=8):
+    rng = np.random.default_rng(seed)
+    return rand(rng, 1, Hq, Nq, d), rand(rng, 1, Hkv, Nk, d), rand(rng, 1, Hkv, Nk, d), rand(rng, 1, Hq, Nq, d)
+
+
+@pytest.mark.parametrize("precision", ["float64", "float16"])
+def test_nan_in_a_query_row_makes_that_row_nan_and_leaves_the_others(precision):
+    q, k, v, _ = _nan_case()
+    clean = oracle.forward(q, k, v, causal=True, precision=precision)
+    q[0, 0, 3, 1] = np.nan
+    out, lse = oracle.forward(q, k, v, causal=True, precision=precision)
+    assert np.isnan(out[0, 0, 3]).all() and np.isnan(lse[0, 0, 3])
+    rest = np.ones(lse.shape, bool); rest[0, 0, 3] = False
+    np.testing.assert_array_equal(out[rest], clean[0][rest])       # other rows and the other head: unchanged
+    np.testing.assert_array_equal(lse[rest], clean[1][rest])
+
+
+def test_nan_in_a_key_reaches_exactly_the_rows_that_see_it():
+    q, k, v, _ = _nan_case(Hq=4, Hkv=2)                            # GQA: query heads 0, 1 read K/V head 0
+    clean = oracle.forward(q, k, v, causal=True)
+    k[0, 0, 2, 0] = np.nan
+    out, lse = oracle.forward(q, k, v, causal=True)
+    sees = np.zeros(lse.shape, bool); sees[0, :2, 2:] = True         # causal, Nq = Nk: rows i >= 2 see key 2
+    assert np.isnan(lse[sees]).all() and np.isnan(out[sees]).all()
+    np.testing.assert_array_equal(out[~sees], clean[0][~sees])     # rows 0, 1 (key 2 masked) and heads 2, 3
+    np.testing.assert_array_equal(lse[~sees], clean[1][~sees])
+
+
+def test_nan_in_a_value_reaches_its_column_in_the_rows_that_see_it():
+    q, k, v, _ = _nan_case()
+    clean = oracle.forward(q, k, v, causal=True)
+    v[0, 0, 2, 1] = np.nan
+    out, lse = oracle.forward(q, k, v, causal=True)
+    bad = np.zeros(out.shape, bool); bad[0, 0, 2:, 1] = True          # a masked key adds no 0 * NaN term
+    assert np.isnan(out[bad]).all()
+    np.testing.assert_array_equal(out[~bad], clean[0][~bad])
+    np.testing.assert_array_equal(lse, clean[1])
+
+
+def test_dead_rows_stay_dead_with_nan_inputs():
+    q, k, v, _ = _nan_case(Nq=6, Nk=4)                             # causal, Nq > Nk: rows 0, 1 see no key
+    q[0, 0, 0, :] = np.nan                                           # every score of row 0 is masked: no NaN
+    q[0, 0, 4, 2] = np.nan
+    out, lse = oracle.forward(q, k, v, causal=True)
+    assert np.all(out[0, :, :2] == 0) and np.all(lse[0, :, :2] == -np.inf)
+    assert np.isnan(out[0, 0, 4]).all() and np.isnan(lse[0, 0, 4])
+    assert np.isfinite(out[0, 0, [2, 3, 5]]).all() and np.isfinite(lse[0, 0, [2, 3, 5]]).all()
+
+
+def test_backward_keeps_nan_in_the_rows_that_see_it():
+    """The textbook equations in IEEE arithmetic: row 3's dS is NaN, so dQ_3 is NaN; dQ of every other
+    row and dV of the keys row 3 does not see (j > 3) are untouched; dK = scale dS^T Q adds 0 * q_3 =
+    NaN to every key of the K/V head (the most any kernel may produce: see the module docstring)."""
+    q, k, v, dout = _nan_case()
+    clean = oracle.backward(dout, q, k, v, causal=True)
+    q[0, 0, 3, 1] = np.nan
+    dq, dk, dv = oracle.backward(dout, q, k, v, causal=True)
+    assert np.isnan(dq[0, 0, 3]).all()
+    rows = np.ones(dq.shape[:3], bool); rows[0, 0, 3] = False
+    np.testing.assert_allclose(dq[rows], clean[0][rows], rtol=1e-12, atol=1e-15)
+    assert np.isnan(dv[0, 0, :4]).all()                              # keys 0..3: row 3 sees them
+    np.testing.assert_allclose(dv[0, 0, 4:], clean[2][0, 0, 4:], rtol=1e-12, atol=1e-15)
+    assert np.isnan(dk[0, 0]).all()
+    for a, b in zip((dq, dk, dv), clean):                            # head 1: unchanged
+        np.testing.assert_allclose(a[0, 1], b[0, 1], rtol=1e-12, atol=1e-15)
+
+
+def test_backward_of_a_nan_key_is_nan_for_the_rows_that_see_it():
+    q, k, v, dout = _nan_case()
+    k[0, 0, 2, 0] = np.nan
+    for precision in ("float64", "bfloat16"):
+        dq, dk, dv = oracle.backward(dout, q, k, v, causal=True, precision=precision)
+        assert np.isnan(dq[0, 0, 2:]).all() and np.isnan(dk[0, 0]).all() and np.isnan(dv[0, 0]).all()
+        assert np.isfinite(dq[0, 1]).all() and np.isfinite(dk[0, 1]).all() and np.isfinite(dv[0, 1]).all()
