@@ -5,7 +5,8 @@
     python -m bench plot bench/results/h100                # the PNGs, from the JSON
 
 Families (DESIGN.md "Benchmarks"; each module's docstring states its method): grid, variants,
-softmax, io, memory, blocksparse, dropout. Each writes <name>.md / .csv / .json (+ .png) stamped
+softmax, io, memory, blocksparse, dropout, host (the per-call host cost from PyTorch and speed as a
+PyTorch user times it). Each writes <name>.md / .csv / .json (+ .png) stamped
 with the device, the commit and the date. Python API: `bench.run_family("blocksparse", out)`.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib
 from pathlib import Path
 
 FAMILIES = {"grid": "grid", "variants": "variants_table", "softmax": "softmax_bench", "io": "io_bytes",
-            "memory": "memory", "blocksparse": "blocksparse", "dropout": "dropout_bench"}
+            "memory": "memory", "blocksparse": "blocksparse", "dropout": "dropout_bench", "host": "host_cost"}
 
 
 def family(name: str):

@@ -11,16 +11,16 @@ Two measurements, both with torch tensors on torch's current stream:
   kernel-only figure (sandbox.timing.time_fn: the host hidden behind a spin kernel), each as a
   ratio to SDPA flash measured the same way.
 
-    python -m bench.host_cost --out DIR [--quick]
+    python -m bench host --out DIR [--quick] [--skip-speed]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
+
+from .common import stamp, write
 
 
 def _torch():
@@ -155,7 +155,7 @@ def speed_table(quick=False):
 def markdown(host, speed) -> str:
     lines = ["## Host time per call from torch (GPU kept busy), fp16, H = 16, d = 64", "",
              "| B | N | SDPA flash us | plain API us | x | sandbox.torch us | x | custom op us | x | "
-             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 13]
+             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 12]
     for r in host:
         s = r["sdpa_flash_us"]
         p, e, o = (r[f"{n} us"] for n in ("sandbox.attention (plain API)", "sandbox.torch.attention (eager)",
@@ -177,28 +177,19 @@ def markdown(host, speed) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.host_cost", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/local")
+def add_arguments(ap):
     ap.add_argument("--quick", action="store_true", help="two host shapes and one grid size")
-    ap.add_argument("--skip-speed", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--skip-speed", action="store_true", help="only the host-time table")
+
+
+def main(args, out: Path):
     try:
         torch = _torch()
     except ImportError:
         raise SystemExit("error: the host family needs PyTorch (pip install torch)")
     if not torch.cuda.is_available():
-        raise SystemExit("error: the host family needs a CUDA GPU")
+        raise SystemExit("error: the host family needs a CUDA GPU visible to PyTorch")
     host = host_table(args.quick)
     speed = [] if args.skip_speed else speed_table(args.quick)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    md = markdown(host, speed)
-    (out / "host.md").write_text(md)
-    (out / "host.json").write_text(json.dumps({"host": host, "speed": speed}, indent=1))
-    print(md)
-
-
-if __name__ == "__main__":
-    main()
+    rows = [{"table": "host", **r} for r in host] + [{"table": "speed", **r} for r in speed]
+    write(Path(out), "host", "host", stamp(), rows, markdown(host, speed))
