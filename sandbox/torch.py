@@ -62,8 +62,8 @@ def _backward(dout, q, k, v, out, lse, seed, variant, params, causal, scale, dro
               right, layout, block_q, block_k):
     name, prm = _spec(variant, params)
     rng = (int(seed.item()) if seed is not None else 0, 0)
-    if dout.stride(-1) != 1 or dout.stride(-2) % 8:
-        dout = dout.contiguous()        # autograd may hand an expanded or strided gradient
+    if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
+        dout = dout.contiguous()        # autograd may hand an expanded, strided or offset gradient
     return api.backward(dout, None, name, q=q, k=k, v=v, out=out, lse=lse, rng=rng, causal=causal, scale=scale,
                         dropout_p=dropout_p, window=_window(has_window, left, right),
                         block_mask=_block_mask(layout, block_q, block_k), **prm)
