@@ -1,5 +1,23 @@
 """The variant registry: what each variant is, what it accepts, and the checks that run before a launch.
 
+What the benchmarks do with a variant comes from its registration, never from its name (bench/ names
+no variant: tests/test_bench_registry.py): `tags` say which bench families time it, `caps` what it can
+run there, `bench_configs` which parameter sets it is timed with besides its defaults, `bench_sweep`
+the axes the `variants` table crosses. Tag vocabulary (TAGS; `python -m bench plan` shows the result):
+    exact-ladder    a rung of the exact (fp32) ladder: the grid family at float32 times its defaults
+                    and each of its bench_configs
+    tc-ladder       a rung of the tensor-core ladder: the grid family at float16 / bfloat16
+    backward-rung   a ladder rung only where a backward is timed (its forward is another rung's)
+    flagship        the fastest variant of its tier: the series of the memory, blocksparse (with
+                    block_sparse), dropout (with a dropout_store parameter) and host (tensor-core
+                    dtypes: the variant compared with PyTorch SDPA from torch) families
+    baseline        materialised attention (S, P in HBM): the reference series of the memory family
+    io:<model>      profiled by the io family (Nsight Compute bytes) against the byte model <model>
+                    of its loop order: materialised, kv-outer (FA1), q-outer (FA2), with the tile
+                    sizes of the variant's own config
+A variant without tags is fuzzed and compile-checked but not benchmarked; every CUDA and Numba
+variant in the tree carries at least one.
+
 A variant registers itself (`register(Variant(...))` at import of its module under variants/, or
 from another package through the `sandbox.variants` entry-point group). The sandbox discovers
 variant modules by walking those places; it never imports one by name.
@@ -59,6 +77,22 @@ class Capabilities:
                 "head_dims": f"{dims[0]}..{dims[-1]}" if contiguous else list(dims)}
 
 
+TAGS = {
+    "exact-ladder": "rung of the exact (fp32) ladder: grid family at float32",
+    "tc-ladder": "rung of the tensor-core ladder: grid family at float16 / bfloat16",
+    "backward-rung": "ladder rung only in the backward directions (its forward is another rung's)",
+    "flagship": "fastest of its tier: memory, blocksparse, dropout, host families",
+    "baseline": "materialised attention: the memory family's reference series",
+}
+IO_MODELS = ("materialised", "kv-outer", "q-outer")     # the io family's byte models: tag io:<model>
+
+
+def tag_errors(tags) -> list[str]:
+    """Tags outside the vocabulary (TAGS, io:<model> with a model of IO_MODELS)."""
+    return [f"unknown tag {t!r}" for t in tags
+            if t not in TAGS and not (t.startswith("io:") and t[3:] in IO_MODELS)]
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -69,6 +103,22 @@ class Variant:
     params: tuple = ()
     caps: Capabilities = Capabilities()
     seed_ref: str = ""     # the seed algorithm it implements
+    tags: tuple = ()       # what the bench families do with it (TAGS, module docstring)
+    bench_configs: tuple = field(default=(), compare=False)   # parameter dicts timed besides the defaults
+    bench_sweep: dict = field(default_factory=dict, compare=False)  # param -> values: the variants table
+
+    def __post_init__(self):
+        """Tags from the vocabulary, bench configs and sweep axes that bind: a typo in a registration
+        fails at import, not in a benchmark run on the GPU."""
+        errs = tag_errors(self.tags)
+        known = {p.name: p for p in self.params}
+        for cfg in self.bench_configs:
+            errs += [f"bench_configs {cfg}: {k}={v!r} is not a parameter value" for k, v in cfg.items()
+                     if k not in known or v not in known[k].choices]
+        errs += [f"bench_sweep {k}: {list(vs)} are not all parameter values" for k, vs in self.bench_sweep.items()
+                 if k not in known or any(v not in known[k].choices for v in vs)]
+        if errs:
+            raise ValueError(f"variant {self.name!r}: " + "; ".join(errs))
 
     def bind(self, **params) -> "BoundVariant":
         known = {p.name: p for p in self.params}
@@ -191,10 +241,12 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 
 def variants() -> list[dict]:
-    """Registered variants with family, backend, tiers, parameters and capabilities."""
+    """Registered variants with family, backend, tiers, parameters, capabilities and bench tags."""
     rows = []
     for v in all_variants().values():
         rows.append({"name": v.name, "family": v.family, "backend": v.backend, "tiers": v.tiers(),
                      "params": {p.name: {"choices": list(p.choices), "default": p.default} for p in v.params},
-                     "capabilities": v.caps.summary(), "seed": v.seed_ref, "description": v.description})
+                     "capabilities": v.caps.summary(), "seed": v.seed_ref, "description": v.description,
+                     "tags": list(v.tags), "bench_configs": [dict(c) for c in v.bench_configs],
+                     "bench_sweep": {k: list(vs) for k, vs in v.bench_sweep.items()}})
     return rows
