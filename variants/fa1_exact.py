@@ -116,4 +116,6 @@ register(Variant(
     name="fa1", family="fa1", backend="cuda",
     description="FA1 exact fp32: K/V-outer tiles, O/l/m through HBM, split-K/Q warps, KV-outer backward",
     impl=FA1Exact(), params=PARAMS, caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129))),
-    seed_ref="FA1 paper Algorithms 1, 2 and 4 (004 Algorithm 4)"))
+    seed_ref="FA1 paper Algorithms 1, 2 and 4 (004 Algorithm 4)",
+    tags=("exact-ladder", "io:kv-outer"), bench_configs=({"split": "q"},),
+    bench_sweep={"split": ("k", "q"), "block_r": (16, 64), "block_c": (64, 128), "warps": (4,)}))

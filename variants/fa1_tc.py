@@ -71,4 +71,5 @@ register(Variant(
             Param("block_c", (32, 64, 128), 64, "Bc: keys per K/V tile (outer step)"),
             Param("warps", (4, 8), 8, "warps per thread block (Br / warps rows each, a multiple of 16)"),
             philox_rounds_param()),
-    caps=CAPS, seed_ref="FA1 paper Algorithms 1 and 2"))
+    caps=CAPS, seed_ref="FA1 paper Algorithms 1 and 2",
+    tags=("tc-ladder",)))

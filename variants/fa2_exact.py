@@ -277,10 +277,13 @@ register(Variant(
     name="fa2", family="fa2", backend="cuda",
     description="FA2 exact fp32: Q-outer tiles, split-Q/K warps, column-parallel backward with atomic dQ",
     impl=FA2Exact(deterministic=False), params=PARAMS, caps=CAPS,
-    seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.3"))
+    seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.3",
+    tags=("exact-ladder", "flagship", "io:q-outer"), bench_configs=({"split": "k", "block_r": 16, "block_c": 128},),
+    bench_sweep={"split": ("q", "k"), "block_r": (16, 64, 128), "block_c": (64, 128), "warps": (4, 8)}))
 
 register(Variant(
     name="fa2-deterministic", family="fa2", backend="cuda",
     description="FA2 exact fp32 with a deterministic backward (row-parallel dQ, no atomics)",
     impl=FA2Exact(deterministic=True), params=PARAMS, caps=CAPS,
-    seed_ref="FA2 paper Algorithms 1 and 2 (dQ without atomics)"))
+    seed_ref="FA2 paper Algorithms 1 and 2 (dQ without atomics)",
+    tags=("exact-ladder", "backward-rung")))

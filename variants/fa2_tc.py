@@ -484,10 +484,16 @@ register(Variant(
     name="fa2-tc", family="fa2", backend="cuda",
     description="FA2 on tensor cores: mma.sync m16n8k16, ldmatrix, swizzled smem, cp.async overlap; atomic dQ",
     impl=FA2TensorCore(), params=PARAMS, caps=CAPS_BWD,
-    seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.1 and 3.3"))
+    seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.1 and 3.3",
+    tags=("tc-ladder", "flagship", "io:q-outer"),
+    bench_configs=({"block_r": 64, "block_c": 64, "min_blocks": "auto"}, {"warps": 8, "block_c": 64, "min_blocks": 2},
+                   {"split": "k", "block_r": 64, "block_c": 64}, {"split": "k", "block_r": 32, "block_c": 64},
+                   {"block_c": 64}, {"block_c": 128}, {"bwd_pre": "cupy"}, {"bwd_block_c": 64}),
+    bench_sweep={"block_r": (64, 128), "block_c": (32, 64, 128), "warps": (4, 8), "min_blocks": ("auto", 1, 2)}))
 
 register(Variant(
     name="fa2-tc-deterministic", family="fa2", backend="cuda",
     description="fa2-tc with a deterministic backward: dK / dV column kernel plus a row-parallel dQ kernel, no atomics",
     impl=FA2TensorCore(deterministic=True), params=PARAMS, caps=CAPS_BWD,
-    seed_ref="FA2 paper Algorithm 1 and 2, Sec. 3.3"))
+    seed_ref="FA2 paper Algorithm 1 and 2, Sec. 3.3",
+    tags=("tc-ladder", "backward-rung")))

@@ -58,4 +58,5 @@ register(Variant(
             Param("block_c", (32, 64), 64, "Bc: keys per K/V tile"),
             Param("warps", (4, 8), 4, "warps per thread block (Br / warps rows each, a multiple of 16)"),
             philox_rounds_param()),
-    caps=CAPS, seed_ref="FA2 paper Algorithm 1, Sec. 3.1 and 3.3"))
+    caps=CAPS, seed_ref="FA2 paper Algorithm 1, Sec. 3.1 and 3.3",
+    tags=("tc-ladder",)))

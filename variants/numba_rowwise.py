@@ -243,4 +243,5 @@ register(Variant(
     params=(philox_rounds_param(),),
     caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 257))),
     seed_ref="FA2 paper Algorithms 1-2 with Br = Bc = 1; lecture Algorithm 3 (online softmax)",
+    tags=("exact-ladder",),
 ))

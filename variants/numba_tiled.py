@@ -469,11 +469,13 @@ register(Variant(
     description="FA2 tiled in Numba: Q-outer tiles, deferred rescaling; column-parallel backward, atomic dQ",
     impl=NumbaTiled("numba-fa2", fa1=False), params=_params(),
     caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129))),
-    seed_ref="FA2 paper Algorithms 1 and 2"))
+    seed_ref="FA2 paper Algorithms 1 and 2",
+    tags=("exact-ladder",)))
 
 register(Variant(
     name="numba-fa1", family="fa1", backend="numba",
     description="FA1 tiled in Numba: K/V-outer tiles, O/l/m through HBM each step (backward: numba-fa2's)",
     impl=NumbaTiled("numba-fa1", fa1=True), params=_params(),
     caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129))),
-    seed_ref="FA1 paper Algorithm 1 (forward); FA2 paper Algorithm 2 (backward)"))
+    seed_ref="FA1 paper Algorithm 1 (forward); FA2 paper Algorithm 2 (backward)",
+    tags=("exact-ladder",)))

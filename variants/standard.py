@@ -124,4 +124,5 @@ register(Variant(
     params=(philox_rounds_param(),),
     caps=Capabilities(dtypes=("float32", "float16"), head_dims=tuple(range(1, 257))),
     seed_ref="FA1 paper Algorithm 0 (standard attention) and its backward",
+    tags=("exact-ladder", "baseline", "io:materialised"),
 ))
