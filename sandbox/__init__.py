@@ -6,7 +6,7 @@
     dq, dk, dv = sandbox.backward(dout, res)
     sandbox.variants()                      # what is registered, with capabilities
 
-See DESIGN.md in the project's shared folder for the contracts, README.md for the tools.
+See docs/ARCHITECTURE.md for the contracts, README.md for the tools.
 """
 from . import masks, oracle
 from .api import Result, attention, backward, forward

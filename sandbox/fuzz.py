@@ -1,5 +1,5 @@
 """Fuzz a variant against the oracle: Hypothesis strategies for problems a variant claims to
-support, and the check of one case under the DESIGN.md tolerance rule.
+support, and the check of one case under the tolerance rule (docs/ARCHITECTURE.md "Tolerances").
 
 Awkward inputs on purpose: length 1, lengths that are not tile multiples, Nq != Nk, rows that see
 no key (causal with Nq > Nk, narrow windows, sparse layouts), large logits and a non-zero mean.

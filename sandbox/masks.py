@@ -1,7 +1,7 @@
 """Attention masks: causal and sliding window (element predicates), block-sparse layouts, and the
 host-side tile classification that kernels use to skip work.
 
-Alignment (DESIGN.md): with shift = Nk - Nq, query i sees key j iff
+Alignment (docs/ARCHITECTURE.md "Masks"): with shift = Nk - Nq, query i sees key j iff
     causal:           j <= i + shift
     window (l, r):    i + shift - l <= j <= i + shift + r        (None = unbounded side)
     block-sparse:     layout[h or 0, i // bq, j // bk]
@@ -33,7 +33,7 @@ class Band:
 
     @classmethod
     def from_options(cls, Nq: int, Nk: int, causal: bool, window) -> "Band":
-        """The band of causal and window (DESIGN.md alignment), lo and hi clamped to
+        """The band of causal and window (docs/ARCHITECTURE.md alignment), lo and hi clamped to
         [-UNBOUNDED, UNBOUNDED]. |j - i| < 2**29 for every supported N, so a bound beyond
         UNBOUNDED changes nothing (window=(2**40, 0) is window=(None, 0)), and clamping keeps the
         band within the kernels' int32 arguments."""

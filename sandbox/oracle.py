@@ -1,4 +1,4 @@
-"""The exact attention oracle: NumPy, float64, written for clarity (DESIGN.md).
+"""The exact attention oracle: NumPy, float64, written for clarity (docs/ARCHITECTURE.md "The oracle").
 
 It is the definition of every feature's semantics. Forward: materialise S = scale * Q K^T, apply the
 mask (causal / window / block-sparse, bottom-right aligned), softmax, dropout (the

@@ -1,4 +1,5 @@
-"""Philox4x32 counter-based RNG in NumPy, and the dropout keep-mask contract (DESIGN.md).
+"""Philox4x32 counter-based RNG in NumPy, and the dropout keep-mask contract
+(docs/ARCHITECTURE.md "Dropout and the RNG contract").
 
 Philox4x32-R (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the generator
 behind cuRAND's Philox and Random123). R = 10 is the standard generator and the contract;
@@ -57,8 +58,9 @@ def philox4x32(counter, key, rounds: int = 10) -> np.ndarray:
 class OptionTypeError(TypeError, ValueError):
     """An option of the wrong type (`causal='False'`, `seed=1.5`, `scale='a'`).
 
-    A TypeError; also a ValueError, since DESIGN.md promises a ValueError for every rejected option
-    and callers catch that (a float window side, for one, was a ValueError before these checks)."""
+    A TypeError; also a ValueError, since docs/ARCHITECTURE.md promises a ValueError for every
+    rejected option and callers catch that (a float window side, for one, was a ValueError before
+    these checks)."""
 
 
 def _got(value) -> str:
@@ -127,7 +129,8 @@ def _mask_shape(shape) -> tuple[int, int, int, int]:
 
 
 def dropout_mask(shape, p: float, seed: int, offset: int = 0, rounds: int = 10) -> np.ndarray:
-    """Boolean keep-mask of shape (B, H, Nq, Nk) under the DESIGN.md counter layout."""
+    """Boolean keep-mask of shape (B, H, Nq, Nk) under the RNG contract's counter layout
+    (docs/ARCHITECTURE.md "Dropout and the RNG contract")."""
     B, H, Nq, Nk = _mask_shape(shape)
     offset = check_offset(offset)
     key = split_seed(seed)

@@ -43,12 +43,3 @@ def round_to(x, dtype: str) -> np.ndarray:
         return np.where(np.isnan(f), np.nan, out)
     raise ValueError(f"unknown dtype {dtype!r}; expected one of {DTYPES}")
 
-
-def to_bfloat16_bits(x) -> np.ndarray:
-    """uint16 bit patterns of x rounded to bf16 (for building device arrays without a bf16 dtype)."""
-    r = round_to(x, "bfloat16").astype(np.float32)
-    return (r.view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bfloat16_bits(bits) -> np.ndarray:
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)

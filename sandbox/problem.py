@@ -2,7 +2,8 @@
 
 Every check here runs before anything is launched and names the parameter it rejects: a value out
 of range is a ValueError, a value of the wrong type (`causal='False'`, `seed=1.5`) is an
-OptionTypeError, a TypeError that is also a ValueError (DESIGN.md: every rejection is one).
+OptionTypeError, a TypeError that is also a ValueError (docs/ARCHITECTURE.md "Options and
+errors": every rejection is one).
 """
 from __future__ import annotations
 
@@ -51,12 +52,9 @@ class Problem:
     def seed_words(self) -> tuple[int, int]:
         return split_seed(self.seed)
 
-    def oracle_kwargs(self) -> dict:
-        return dict(causal=self.causal, scale=self.scale, dropout_p=self.dropout_p, seed=self.seed,
-                    offset=self.offset, window=self.window, block_mask=self.block_mask)
-
     def flops(self, direction: str = "forward") -> float:
-        """DESIGN.md FLOP count: 4 B H Nq Nk d forward (halved for causal), backward 2.5x."""
+        """The FLOP count of docs/ARCHITECTURE.md "Benchmarks": 4 B H Nq Nk d forward (halved for
+        causal), backward 2.5x."""
         f = 4.0 * self.B * self.Hq * self.Nq * self.Nk * self.d * (0.5 if self.causal else 1.0)
         return {"forward": f, "backward": 2.5 * f, "both": 3.5 * f}[direction]
 

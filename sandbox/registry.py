@@ -22,12 +22,9 @@ A variant registers itself (`register(Variant(...))` at import of its module und
 from another package through the `sandbox.variants` entry-point group). The sandbox discovers
 variant modules by walking those places; it never imports one by name.
 
-A variant's implementation object provides:
-    configure(**params) -> config        validated compile-time/launch parameters
-    check(problem, config, direction)    optional: config-specific envelope (shared memory, ...)
-    forward(problem, q, k, v, config) -> (out, lse)
-    backward(problem, dout, q, k, v, out, lse, config) -> (dq, dk, dv)
-    compile_units(config) -> [CompileUnit]   (CUDA backend: for the GPU-less compile report)
+What a variant's implementation object (`Variant.impl`) provides, which members are optional and
+who calls them: sandbox/contract.py (the variant contract), checked over the registry by
+tests/test_contract_module.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The DESIGN.md tolerance rule, per dtype, against the float64 oracle.
+"""The tolerance rule (docs/ARCHITECTURE.md "Tolerances"), per dtype, against the float64 oracle.
 
 exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|oracle64|)
                                                      + TERMS_ULPS * eps32 * terms
@@ -8,8 +8,8 @@ exact tier (float32):      max|kernel - oracle64| <= EXACT_RTOL * max(1, max|ora
                            (|s| ~ 100) put an error ~ eps * S_abs in every score, which softmax
                            carries into out (5.9e-5 > 4.1e-5 at logit scale 30, d = 128, both the
                            CUDA and Numba variants alike); dS = P * (dP - D) cancels, so dK was
-                           1.3e-5 where the exact value is 0 (Nq = Nk = 1, q ~ 30). DESIGN.md's
-                           rule is the terms = 0 case; for unit-scale inputs terms ~ sqrt(d).
+                           1.3e-5 where the exact value is 0 (Nq = Nk = 1, q ~ 30). The design's
+                           first rule is the terms = 0 case; for unit-scale inputs terms ~ sqrt(d).
 tensor-core tier (16-bit): max|kernel - oracle64| <= k * max|naive - oracle64| + floor
                            k = 2 for out and lse, 3 for gradients; naive = the oracle in the
                            kernel's precision; floor = FLOOR_ULPS * eps(dtype) * max|oracle64|

@@ -46,7 +46,7 @@ def test_out_of_range_values_are_value_errors_naming_the_option(kw, name):
 
 
 def test_type_errors_still_satisfy_callers_that_catch_value_error():
-    """DESIGN.md: every rejected option is a ValueError; the type errors are that too."""
+    """docs/ARCHITECTURE.md: every rejected option is a ValueError; the type errors are that too."""
     with pytest.raises(ValueError, match="causal"):
         make_problem(*qkv(), causal="False")
 

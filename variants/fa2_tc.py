@@ -25,14 +25,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sandbox import arrays
-from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
+from sandbox.device import SMEM_PER_BLOCK_OPTIN
 from sandbox.launch import (LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table,
                             u32)
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
-SMEM_LIMIT = ARCH_SMEM["sm_90"]  # H100/H200 per-block opt-in maximum
+SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]  # H100/H200 per-block opt-in maximum
 CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = 2
 
