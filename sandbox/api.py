@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import arrays, fastpath
 from .precision import dtype_name
-from .problem import Problem, make_problem
+from .problem import OptionTypeError, Problem, make_problem
 from .registry import BoundVariant, get_variant
 
 # variant=None: the fastest exact variant for fp32, the tensor-core one for fp16 / bf16
@@ -169,7 +169,7 @@ def check_rng(seed, offset):
         return
     for name, value, limit in (("seed", seed, 2**64), ("offset", offset, 2**32)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+            raise OptionTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
         if not 0 <= int(value) < limit:
             raise ValueError(f"{name} must be in [0, 2**{limit.bit_length() - 1}), got {value}")
 
@@ -185,7 +185,7 @@ def _rng_pair(rng):
 
 def _backward_from_result(dout, res, variant, options, params, q, k, v, out, lse, rng):
     if not isinstance(res, Result):
-        raise TypeError(f"res must be the forward's sandbox.Result, got {type(res).__name__}")
+        raise OptionTypeError(f"res must be the forward's sandbox.Result, got {type(res).__name__}")
     given = [n for n, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)) if x is not None]
     if given:
         raise ValueError(f"backward got a Result and {', '.join(given)}: pass one or the other")

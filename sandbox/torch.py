@@ -29,6 +29,7 @@ import torch
 
 from . import api
 from .masks import BlockSparse
+from .problem import OptionTypeError
 
 Tensor = torch.Tensor
 _SEED_HIGH = 2**63 - 1
@@ -149,7 +150,7 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
     Returns out (B, Hq, Nq, d) in q's dtype.
     """
     if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
+        raise OptionTypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
         raise ValueError(f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True for GQA/MQA (as in SDPA)")
     if scale is None:
@@ -157,10 +158,10 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
     if isinstance(variant, str) or variant is None:
         name = variant or ""
     else:
-        raise TypeError(f"variant must be a registered variant's name, got {type(variant).__name__}")
+        raise OptionTypeError(f"variant must be a registered variant's name, got {type(variant).__name__}")
     seed = None
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
-        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
+        raise OptionTypeError(f"dropout_p must be a real number, got {dropout_p!r}")
     if dropout_p > 0:
         if generator is not None and generator.device.type != "cpu":
             raise ValueError("generator must be a CPU torch.Generator: the dropout seed is drawn on the host "
@@ -174,7 +175,7 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
     layout, bq, bk = None, 0, 0
     if block_mask is not None:
         if not isinstance(block_mask, BlockSparse):
-            raise TypeError(f"block_mask must be sandbox.masks.BlockSparse, got {type(block_mask).__name__}")
+            raise OptionTypeError(f"block_mask must be sandbox.masks.BlockSparse, got {type(block_mask).__name__}")
         layout, (bq, bk) = torch.from_numpy(block_mask.layout.astype(bool)), block_mask.block
     options = (name, json.dumps(params, sort_keys=True) if params else "", causal, float(scale), float(dropout_p),
                has_window, left, right, layout, int(bq), int(bk))
