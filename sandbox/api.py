@@ -11,11 +11,11 @@ launch. Everything else takes the generic path below.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 from . import arrays, fastpath
 from .precision import dtype_name
+from .philox import check_offset, check_seed
 from .problem import OptionTypeError, Problem, make_problem
 from .registry import BoundVariant, get_variant
 
@@ -164,14 +164,11 @@ def _check_out_lse(out, lse, problem):
 
 def check_rng(seed, offset):
     """seed an int in [0, 2**64), offset an int in [0, 2**32) (bool and float refused): checked on
-    every call, the plan path included, since they change per call."""
+    every call, the plan path included, since they change per call (plain ints pass at once)."""
     if type(seed) is int and type(offset) is int and 0 <= seed < 2**64 and 0 <= offset < 2**32:
         return
-    for name, value, limit in (("seed", seed, 2**64), ("offset", offset, 2**32)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise OptionTypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-        if not 0 <= int(value) < limit:
-            raise ValueError(f"{name} must be in [0, 2**{limit.bit_length() - 1}), got {value}")
+    check_seed(seed)
+    check_offset(offset)
 
 
 def _rng_pair(rng):
