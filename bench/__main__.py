@@ -1,14 +1,16 @@
-"""python -m bench FAMILY [options] --out DIR | all --out DIR | plot DIR (see bench/__init__.py).
+"""python -m bench FAMILY [options] --out DIR | all --out DIR | plot DIR | plan [FAMILY] [--json PATH]
+| session --out DIR [--parts tests,sanitize,bench,profile] (see bench/__init__.py, bench/session.py).
 
 A mistake on the command line, a family this machine cannot run (no GPU, no CuPy) or a plot folder
 without family JSON is one `error: ...` line on stderr and exit status 2, found before anything runs.
 """
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
 
-from . import FAMILIES, family, run_family
+from . import FAMILIES, family, plan, run_family, selection, session
 from .common import UsageError, missing_for_gpu_families, parse_variant
 
 
@@ -38,6 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="out")
     s = sub.add_parser("plot", help="a PNG beside every family JSON in a folder (needs matplotlib)")
     s.add_argument("folder")
+    s = sub.add_parser("plan", help="which variants and configurations each family would time (no GPU needed)")
+    s.add_argument("family", nargs="?", default=None, help="one family (default: every one)")
+    s.add_argument("--json", default=None, help="also write the plan as JSON")
+    s = sub.add_parser("session", help="one GPU machine call: GPU tests, sanitizer, benchmark, profile, summary",
+                       description=session.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    session.add_arguments(s)
     return ap
 
 
@@ -108,10 +116,34 @@ def _run_all(names: list[str], out: str, reps: int) -> int:
     return 1 if failed else 0
 
 
+def _plan(name, json_path) -> None:
+    """The plan table (and JSON): every family's variants and configurations, then any CUDA or Numba
+    variant no family times."""
+    if name is not None and name not in FAMILIES:
+        raise UsageError(f"unknown family {name!r}; families: {', '.join(FAMILIES)}")
+    rows = plan(name)
+    missing = selection.unplanned(plan()) if name is None else []
+    if json_path:
+        try:
+            Path(json_path).write_text(json.dumps({"families": {n: [r for r in rows if r["family"] == n]
+                                                                for n in dict.fromkeys(r["family"] for r in rows)},
+                                                   "unplanned": missing}, indent=1))
+        except OSError as e:
+            raise UsageError(f"cannot write --json {json_path}: {e.strerror or e}") from None
+    print(selection.table(rows))
+    if name is None:
+        print(f"\nCUDA and Numba variants no family times: {', '.join(missing) or 'none'}")
+
+
 def _dispatch(args) -> int:
     if args.cmd == "plot":
         _plot(args.folder)
         return 0
+    if args.cmd == "plan":
+        _plan(args.family, args.json)
+        return 0
+    if args.cmd == "session":
+        return session.main(args)
     names = _families(args.families) if args.cmd == "all" else [args.cmd]
     _check_variant_specs(args)
     _require_gpu()

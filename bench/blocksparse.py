@@ -1,13 +1,14 @@
-"""Family `blocksparse`: forward time against block density for block-sparse FlashAttention-2 (FA1
+"""Family `blocksparse`: forward time against block density for block-sparse FlashAttention (FA1
 paper Sec. 3.3, Proposition 4: IO, and so time, proportional to the fraction of non-zero blocks),
 with the ideal proportional line (dense time x density) and causal as a special case.
 
 Setting: B * N = 16k tokens, hidden 2048, N = 4096, d = 64, mask blocks of 128 x 128 shared by all
 heads; at each density a layout with round(density x blocks) blocks chosen at random (seeded).
-Series: fa2-tc (fp16) and fa2 (fp32). Causal appears twice: `causal=True` (the element mask, with
+Series (bench/selection.py): every registered flagship variant with block-sparse masks, in its first
+dtype. Causal appears twice: `causal=True` (the element mask, with
 block skipping) and the block-lower-triangular layout (density 0.52). Check before timing: the
 first (batch, head) against the float64 oracle with the same layout. Timing: sandbox.timing.time_fn
-(CUDA events, L2 flushed, median).
+(CUDA events, L2 flushed, median), through bench.harness.
 
     python -m bench blocksparse [--densities 0.05,0.1,0.2,0.3,0.5,0.7,1.0]
 """
@@ -20,13 +21,23 @@ import numpy as np
 import sandbox
 from sandbox import oracle, tolerance
 from sandbox.masks import BlockSparse
-from sandbox.timing import time_fn
 
+from . import selection
 from .common import Progress, csv_of, stamp, write
+from .harness import check_then_time
 
 N, D, BLOCK, TOKENS, HIDDEN = 4096, 64, 128, 16384, 2048
-SERIES = (("fa2-tc", "float16"), ("fa2", "float32"))
 DENSITIES = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
+
+
+def series() -> list[tuple[str, str]]:
+    """(variant, dtype): the flagship variants with block-sparse masks, each in its first dtype."""
+    return [(v.name, v.caps.dtypes[0]) for v in selection.select("flagship", block_sparse=True, head_dim=D)]
+
+
+def plan() -> list[dict]:
+    return [selection.row("blocksparse", n, dt, D, "forward", f"N = {N}, {BLOCK} x {BLOCK} blocks, densities "
+                          f"{DENSITIES[0]}-{DENSITIES[-1]}, block-causal layout, causal=True") for n, dt in series()]
 
 
 def layout(density: float, nb: int, seed: int = 0) -> np.ndarray:
@@ -53,9 +64,10 @@ def run(densities=DENSITIES, reps=10):
     tri = np.tril(np.ones((nb, nb), dtype=bool))[None]
     cases += [("block-causal layout", float(tri.mean()), {"block_mask": BlockSparse(tri, (BLOCK, BLOCK))}),
               ("causal=True", (N * (N + 1) / 2) / N**2, {"causal": True})]
-    progress = Progress(len(SERIES) * len(cases), "blocksparse")
+    todo = series()
+    progress = Progress(len(todo) * len(cases), "blocksparse")
     rows = []
-    for name, dtype in SERIES:
+    for name, dtype in todo:
         bound = sandbox.get_variant(name)
         gen = cp.random.default_rng(0)
         q, k, v = (gen.standard_normal((B, H, N, D), dtype=cp.float32).astype(dtype) for _ in range(3))
@@ -63,15 +75,12 @@ def run(densities=DENSITIES, reps=10):
         for label, density, opts in sorted(cases, key=lambda c: -c[1] if c[0].startswith("random") else 2):
             progress(f"{name} {label}")
             row = {"variant": name, "dtype": dtype, "case": label, "density": density, "N": N, "B": B, "H": H, "d": D}
-            res = sandbox.forward(q, k, v, variant=bound, **opts)
-            ok, verdict = check_head(bound, q, k, v, res, dtype, **opts)
-            del res
-            if not ok:
-                rows.append({**row, "status": f"FAIL {verdict}"}); continue
-            t = time_fn(lambda: sandbox.forward(q, k, v, variant=bound, **opts), reps=reps)
-            if label == "random 1":
-                dense_ms = t.median_ms
-            rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms})
+            row.update(check_then_time(
+                lambda: check_head(bound, q, k, v, sandbox.forward(q, k, v, variant=bound, **opts), dtype, **opts),
+                lambda: (lambda: sandbox.forward(q, k, v, variant=bound, **opts)), reps))
+            if label == "random 1" and "ms" in row:
+                dense_ms = row["ms"]
+            rows.append(row)
         for r in rows:
             if r["variant"] == name and dense_ms and "ms" in r:
                 r["ideal_ms"] = dense_ms * r["density"]
@@ -82,7 +91,7 @@ def run(densities=DENSITIES, reps=10):
 
 
 def markdown(rows) -> str:
-    out = [f"Block-sparse FA2 forward, N = {N}, d = {D}, B*N = 16k tokens, hidden 2048, {BLOCK} x {BLOCK} mask blocks: "
+    out = [f"Block-sparse forward, N = {N}, d = {D}, B*N = 16k tokens, hidden 2048, {BLOCK} x {BLOCK} mask blocks: "
            "time against density, ideal = dense time x density", "",
            "| variant | case | density | ms | ideal ms | time / ideal |", "|---|---|---|---|---|---|"]
     for r in rows:

@@ -70,7 +70,7 @@ class Progress:
 
 
 def parse_variant(spec: str):
-    """'fa2:split=k+block_r=16' -> (label, bound variant)."""
+    """'NAME:split=k+block_r=16' -> ('NAME split=k block_r=16', the variant bound to those parameters)."""
     from sandbox.registry import parse_spec
     name, params = parse_spec(spec)
     label = name + (" " + " ".join(f"{k}={v}" for k, v in params.items()) if params else "")

@@ -1,5 +1,9 @@
 """Family `grid`: the FA2 paper's benchmark grid (Sec. 4.1, Figures 4-7), forward, backward and both.
 
+Variants (bench/selection.py): the ladder of the dtype's tier from the registry, each rung with its
+defaults and its bench_configs (exact-ladder at float32, tc-ladder at float16; backward-rung variants
+and backward configs only in the backward directions); --variants times given specs instead.
+
 Protocol: B * N = 16k tokens, hidden 2048 (H = 2048 / d), N from 512 to 16k, causal and not.
 Check before timing: a forward is checked against the float64 oracle on the last 1024 query rows of
 the first and last (batch, head) of the very problem it is timed on (bottom-right causal alignment
@@ -8,11 +12,11 @@ problem with the same options through sandbox.fuzz.check_case. A variant that fa
 Timing: sandbox.timing.time_fn (CUDA events, warm-up, L2 flushed between repetitions, median).
 FLOPs (DESIGN.md): forward 4 B H N^2 d, halved if causal; backward 2.5x forward; both 3.5x.
 Baselines in the same run, fp16 (their kernels have no fp32 path except math): PyTorch SDPA
-(flash = FlashAttention-2, cuDNN, efficient, math = standard attention) and a plain CuPy standard
-attention (cuBLAS matmuls, forward only).
+(flash = FlashAttention-2, cuDNN, efficient, math = materialised attention) and a plain CuPy
+materialised attention (cuBLAS matmuls, forward only).
 
-    python -m bench run grid --dtype float32 --headdim 64 --directions forward,backward \
-        --variants standard,fa2,fa2:split=k+block_r=16+block_c=128
+    python -m bench grid --dtype float16 --headdim 128 --directions forward,backward
+    python -m bench grid --dtype float32 --variants NAME,NAME:split=k+block_r=16
 """
 from __future__ import annotations
 
@@ -23,16 +27,38 @@ import numpy as np
 import sandbox
 from sandbox import baselines, oracle, tolerance
 from sandbox.problem import make_problem
-from sandbox.fuzz import Case, check_case
 from sandbox.timing import tflops, time_fn
 
+from . import selection
 from .common import Progress, csv_of, parse_variant, stamp, write
+from .harness import check_then_time, oracle_check
 
 CHECK_ROWS = 1024
-# the exact-tier ladder: standard, FA1 split-K (its own partitioning) and split-Q, FA2 split-Q (its
-# own) and split-K, the Numba versions
-DEFAULT_VARIANTS = ("standard", "fa1", "fa1:split=q", "fa2", "fa2:split=k+block_r=16+block_c=128",
-                    "numba-fa1", "numba-fa2", "numba-rowwise")
+# the runs of the protocol `plan` lists: each tier's dtype at the paper's head dims
+TIER_RUNS = (("float32", (64, 128)), ("float16", (64, 128)))
+BASELINES = ("flash", "cudnn", "efficient", "math", "cupy")
+
+
+def selection_for(dtype: str, d: int, directions) -> list[tuple[str, tuple]]:
+    """(spec, directions it is timed in) of the registry's ladder for this dtype and head dim."""
+    entries = {}
+    for direction in directions:
+        for s in selection.ladder(dtype, d, direction):
+            entries.setdefault(s, []).append(direction)
+    return [(s, tuple(drs)) for s, drs in entries.items()]
+
+
+def plan() -> list[dict]:
+    """What the grid times at each tier run (dtype, head dims), per spec: the directions it is in."""
+    rows = []
+    for dtype, dims in TIER_RUNS:
+        seen = {}
+        for d in dims:
+            for s, drs in selection_for(dtype, d, selection.DIRECTIONS):
+                seen.setdefault((s, drs), []).append(d)
+        rows += [selection.row("grid", s, dtype, ds, drs, "B*N = 16k, hidden 2048, N = 1k-8k; beside SDPA, CuPy")
+                 for (s, drs), ds in seen.items()]
+    return rows
 
 
 def check_slice(bound, q, k, v, res, causal, dtype):
@@ -64,10 +90,7 @@ def label_of(backend: str) -> str:
 
 def check_backward(bound, d, dtype, causal):
     """(ok, worst verdict) of a (1, 2, 256, d) forward + backward against the oracle."""
-    case = Case(1, 2, 2, 256, 256, d, dtype, {"causal": True} if causal else {}, data_seed=d)
-    verdicts = check_case(bound, case, "backward")
-    worst = max(verdicts, key=lambda v: (not v.ok, v.err / max(v.tol, 1e-30)))
-    return worst.ok, worst
+    return oracle_check(bound, dtype, d, "backward", options={"causal": True} if causal else {}, seed=d)
 
 
 def timed_call(bound, q, k, v, causal, direction, dout):
@@ -80,15 +103,18 @@ def timed_call(bound, q, k, v, causal, direction, dout):
     return lambda: sandbox.backward(dout, sandbox.forward(q, k, v, variant=bound, causal=causal))
 
 
-def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=DEFAULT_VARIANTS,
-        directions=("forward",), backends=("flash", "cudnn", "efficient", "math", "cupy"), reps=10, tokens=16384,
-        hidden=2048):
+def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=None,
+        directions=("forward",), backends=BASELINES, reps=10, tokens=16384, hidden=2048):
+    """variants: specs timed in every direction, or None: the registry's ladder (selection_for)."""
     import cupy as cp
     npdt = {"float32": cp.float32, "float16": cp.float16}[dtype]
     H = hidden // d
-    bound_variants = [parse_variant(s) for s in variants]
+    entries = (selection_for(dtype, d, directions) if variants is None
+               else [(s, tuple(directions)) for s in variants])
+    bound_variants = [(*parse_variant(s), drs) for s, drs in entries]
     rows, checked = [], {}
-    progress = Progress(len(seqlens) * 2 * len(directions) * (len(bound_variants) + len(backends)), f"grid d={d}")
+    progress = Progress(len(seqlens) * 2 * (sum(len(drs) for *_, drs in bound_variants) + len(directions) * len(backends)),
+                        f"grid d={d}")
     for N in seqlens:
         B = max(1, tokens // N)
         gen = cp.random.default_rng(N)
@@ -97,27 +123,24 @@ def run(dtype="float32", d=64, seqlens=(1024, 2048, 4096, 8192), variants=DEFAUL
             for causal in (False, True):
                 flops = make_problem(q, k, v, causal=causal).flops() * FLOP_FACTOR[direction]
                 base = {"N": N, "B": B, "H": H, "d": d, "causal": causal, "direction": direction}
-                for label, bound in bound_variants:
+                for label, bound, drs in bound_variants:
+                    if direction not in drs:
+                        continue
                     progress(f"N={N} {direction} causal={causal} {label}")
-                    row = {**base, "dtype": dtype, "variant": label}
-                    try:
+
+                    def check():
                         bound.check(make_problem(q, k, v, causal=causal), "forward" if direction == "forward" else "backward")
                         if direction == "forward":
                             res = sandbox.forward(q, k, v, variant=bound, causal=causal)
-                            ok, verdict = check_slice(bound, q, k, v, res, causal, dtype)
-                            del res
-                        else:
-                            key = (label, causal)
-                            if key not in checked:
-                                checked[key] = check_backward(bound, d, dtype, causal)
-                            ok, verdict = checked[key]
-                        if not ok:
-                            rows.append({**row, "status": f"FAIL {verdict}"}); continue
-                        t = time_fn(timed_call(bound, q, k, v, causal, direction, dout), reps=reps)
-                    except (ValueError, cp.cuda.memory.OutOfMemoryError) as e:
-                        rows.append({**row, "status": f"skipped: {str(e)[:80]}"}); continue
-                    rows.append({**row, "status": "ok", "ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
-                                 "tflops": tflops(flops, t.median_ms)})
+                            return check_slice(bound, q, k, v, res, causal, dtype)
+                        if (label, causal) not in checked:
+                            checked[(label, causal)] = check_backward(bound, d, dtype, causal)
+                        return checked[(label, causal)]
+                    row = {**base, "dtype": dtype, "variant": label,
+                           **check_then_time(check, lambda: timed_call(bound, q, k, v, causal, direction, dout), reps)}
+                    if "ms" in row:
+                        row["tflops"] = tflops(flops, row["ms"])
+                    rows.append(row)
                 for be in backends:
                     progress(f"N={N} {direction} causal={causal} {label_of(be)}")
                     fn = (baselines.cupy_standard(B, H, N, N, d, "float16", causal, direction) if be == "cupy" else
@@ -160,17 +183,18 @@ def add_arguments(ap):
     ap.add_argument("--headdim", type=int, default=64)
     ap.add_argument("--seqlens", type=csv_of(kind=int, low=1), default=(1024, 2048, 4096, 8192))
     ap.add_argument("--directions", type=csv_of(tuple(FLOP_FACTOR)), default=("forward",), help="forward,backward,both")
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
-    ap.add_argument("--baselines", type=csv_of(("flash", "cudnn", "efficient", "math", "cupy")),
-                    default=("flash", "cudnn", "efficient", "math", "cupy"),
-                    help="SDPA backends (flash, cudnn, efficient, math) and cupy (plain CuPy standard attention) "
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated specs (name or name:key=value+...); default: the dtype's ladder from "
+                         "the registry (python -m bench plan grid)")
+    ap.add_argument("--baselines", type=csv_of(BASELINES), default=BASELINES,
+                    help="SDPA backends (flash, cudnn, efficient, math) and cupy (plain CuPy materialised attention) "
                          "timed beside the variants ('' for none)")
 
 
 def main(args, out: Path):
     directions = tuple(args.directions)
-    rows = run(args.dtype, args.headdim, list(args.seqlens), args.variants.split(","), directions,
-               tuple(args.baselines), args.reps)
+    variants = None if args.variants is None else [s for s in args.variants.split(",") if s]
+    rows = run(args.dtype, args.headdim, list(args.seqlens), variants, directions, tuple(args.baselines), args.reps)
     stem = f"grid_{args.dtype}_d{args.headdim}" + ("" if directions == ("forward",) else "_" + "_".join(directions))
     write(out, stem, "grid", stamp(dtype=args.dtype, d=args.headdim, directions=list(directions)), rows, markdown(rows),
           ["N", "B", "H", "d", "causal", "direction", "dtype", "variant", "status", "ms", "tflops"])

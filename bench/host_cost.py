@@ -1,5 +1,9 @@
 """Family `host`: what a PyTorch caller pays per call, beside SDPA, and speed as a PyTorch user sees it.
 
+Variants (bench/selection.py): every registered flagship CUDA variant with a tensor-core dtype (fp16),
+checked against the oracle first (forward and, with one, backward; bench.harness): a variant that
+fails is not timed.
+
 Two measurements, both with torch tensors on torch's current stream:
 - host time per call: the GPU is kept busy (a long torch.cuda._sleep queued first), so that N calls
   only enqueue work; wall time / N is the Python + launch cost of one call. Entry points: SDPA
@@ -20,7 +24,20 @@ import sys
 import time
 from pathlib import Path
 
-from .common import stamp, write
+from . import selection
+from .common import UsageError, stamp, write
+from .harness import oracle_check
+
+
+def series() -> list[str]:
+    """The flagship CUDA variants with fp16."""
+    return [v.name for v in selection.select("flagship", backend="cuda", dtype="float16", head_dim=64)]
+
+
+def plan() -> list[dict]:
+    return [selection.row("host", n, "float16", "64,128", "forward,both",
+                          "host us per call from torch (plain API, sandbox.torch, custom op) and TFLOP/s "
+                          "from torch, beside SDPA flash / cuDNN") for n in series()]
 
 
 def _torch():
@@ -75,7 +92,10 @@ def _sdpa(backend):
     return call
 
 
-def host_table(quick=False):
+ENTRIES = ("sandbox.attention (plain API)", "sandbox.torch.attention (eager)", "torch.ops.sandbox.attention_fwd")
+
+
+def host_table(name, quick=False):
     torch = _torch()
     import sandbox
     import sandbox.torch as st
@@ -88,27 +108,26 @@ def host_table(quick=False):
         qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
         scale = 1.0 / math.sqrt(d)
         ref = host_us(lambda: sdpa(q, k, v, False))
-        entries = {
-            "sandbox.attention (plain API)": host_us(lambda: sandbox.attention(q, k, v, variant="fa2-tc")),
-            "sandbox.torch.attention (eager)": host_us(lambda: st.attention(q, k, v, variant="fa2-tc")),
-            "torch.ops.sandbox.attention_fwd": host_us(lambda: torch.ops.sandbox.attention_fwd(
-                q, k, v, None, "fa2-tc", "", False, scale, 0.0, False, None, None, None, 0, 0)),
-        }
+        entries = dict(zip(ENTRIES, (
+            host_us(lambda: sandbox.attention(q, k, v, variant=name)),
+            host_us(lambda: st.attention(q, k, v, variant=name)),
+            host_us(lambda: torch.ops.sandbox.attention_fwd(
+                q, k, v, None, name, "", False, scale, 0.0, False, None, None, None, 0, 0)))))
         ref_train = host_us(lambda: sdpa(qg, kg, vg, False))
-        train = host_us(lambda: st.attention(qg, kg, vg, variant="fa2-tc"))
-        row = {"B": B, "N": N, "H": H, "d": d, "sdpa_flash_us": ref, "sdpa_flash_train_us": ref_train,
+        train = host_us(lambda: st.attention(qg, kg, vg, variant=name))
+        row = {"variant": name, "B": B, "N": N, "H": H, "d": d, "sdpa_flash_us": ref, "sdpa_flash_train_us": ref_train,
                "sandbox_torch_train_us": train}
-        row.update({f"{name} us": us for name, us in entries.items()})
+        row.update({f"{entry} us": us for entry, us in entries.items()})
         rows.append(row)
-        print(f"  host B={B} N={N}: sdpa {ref:.1f} us, plain {entries['sandbox.attention (plain API)']:.1f}, "
-              f"torch eager {entries['sandbox.torch.attention (eager)']:.1f}, op "
-              f"{entries['torch.ops.sandbox.attention_fwd']:.1f}; train fwd sdpa {ref_train:.1f}, sandbox {train:.1f}",
-              file=sys.stderr, flush=True)
+        print(f"  host {name} B={B} N={N}: sdpa {ref:.1f} us, plain {entries[ENTRIES[0]]:.1f}, "
+              f"torch eager {entries[ENTRIES[1]]:.1f}, op {entries[ENTRIES[2]]:.1f}; "
+              f"train fwd sdpa {ref_train:.1f}, sandbox {train:.1f}", file=sys.stderr, flush=True)
     return rows
 
 
-def speed_table(quick=False):
-    """FA2 grid (B N = 16k, hidden 2048): kernel-only and from-torch TFLOP/s, fa2-tc and SDPA."""
+def speed_table(name, quick=False):
+    """FA2 grid (B N = 16k, hidden 2048): kernel-only and from-torch TFLOP/s, the variant and SDPA.
+    Row keys name the variant as "ours" (the row's `variant` says which)."""
     torch = _torch()
     import cupy as cp
     import sandbox
@@ -122,9 +141,9 @@ def speed_table(quick=False):
                 q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16) for _ in range(4))
                 flops = 4.0 * B * H * N * N * d * (0.5 if causal else 1.0)
                 qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
-                row = {"d": d, "causal": causal, "N": N, "B": B, "H": H}
-                kern = time_fn(lambda: sandbox.attention(qc, kc, vc, variant="fa2-tc", causal=causal), reps=10)
-                row["fa2-tc kernel TFLOP/s"] = tflops(flops, kern.median_ms)
+                row = {"variant": name, "d": d, "causal": causal, "N": N, "B": B, "H": H}
+                kern = time_fn(lambda: sandbox.attention(qc, kc, vc, variant=name, causal=causal), reps=10)
+                row["ours kernel TFLOP/s"] = tflops(flops, kern.median_ms)
                 for be in ("flash", "cudnn"):
                     fn = _sdpa(be)
                     try:
@@ -133,47 +152,49 @@ def speed_table(quick=False):
                         row[f"sdpa-{be} torch TFLOP/s"] = tflops(flops, loop_ms(lambda: fn(q, k, v, causal)))
                     except RuntimeError as e:          # a backend that refuses the shape
                         print(f"  sdpa {be} skipped: {e}", file=sys.stderr)
-                row["fa2-tc torch TFLOP/s"] = tflops(flops, loop_ms(
-                    lambda: st.attention(q, k, v, variant="fa2-tc", causal=causal)))
+                row["ours torch TFLOP/s"] = tflops(flops, loop_ms(
+                    lambda: st.attention(q, k, v, variant=name, causal=causal)))
                 qg, kg, vg = (x.clone().requires_grad_(True) for x in (q, k, v))
 
                 def ours_both():
-                    out = st.attention(qg, kg, vg, variant="fa2-tc", causal=causal)
+                    out = st.attention(qg, kg, vg, variant=name, causal=causal)
                     torch.autograd.grad(out, (qg, kg, vg), dout)
 
                 def sdpa_both():
                     out = _sdpa("flash")(qg, kg, vg, causal)
                     torch.autograd.grad(out, (qg, kg, vg), dout)
-                row["fa2-tc torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(ours_both, calls=10, reps=3))
+                row["ours torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(ours_both, calls=10, reps=3))
                 row["sdpa-flash torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(sdpa_both, calls=10, reps=3))
                 rows.append(row)
-                print(f"  speed d={d} causal={causal} N={N}: " + ", ".join(
+                print(f"  speed {name} d={d} causal={causal} N={N}: " + ", ".join(
                     f"{k_}={v_:.0f}" for k_, v_ in row.items() if "TFLOP" in k_), file=sys.stderr, flush=True)
     return rows
 
 
 def markdown(host, speed) -> str:
     lines = ["## Host time per call from torch (GPU kept busy), fp16, H = 16, d = 64", "",
-             "| B | N | SDPA flash us | plain API us | x | sandbox.torch us | x | custom op us | x | "
-             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 12]
+             "| variant | B | N | SDPA flash us | plain API us | x | sandbox.torch us | x | custom op us | x | "
+             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 13]
     for r in host:
+        if "status" in r:
+            lines.append(f"| {r['variant']} | {r['status'][:80]} |" + " |" * 11)
+            continue
         s = r["sdpa_flash_us"]
-        p, e, o = (r[f"{n} us"] for n in ("sandbox.attention (plain API)", "sandbox.torch.attention (eager)",
-                                          "torch.ops.sandbox.attention_fwd"))
-        lines.append(f"| {r['B']} | {r['N']} | {s:.1f} | {p:.1f} | {p / s:.2f} | {e:.1f} | {e / s:.2f} | {o:.1f} | "
+        p, e, o = (r[f"{n} us"] for n in ENTRIES)
+        lines.append(f"| {r.get('variant', '-')} | {r['B']} | {r['N']} | {s:.1f} | {p:.1f} | {p / s:.2f} | {e:.1f} | {e / s:.2f} | {o:.1f} | "
                      f"{o / s:.2f} | {r['sdpa_flash_train_us']:.1f} | {r['sandbox_torch_train_us']:.1f} | "
                      f"{r['sandbox_torch_train_us'] / r['sdpa_flash_train_us']:.2f} |")
-    lines += ["", "## fa2-tc speed: kernel only and from torch (FA2 grid, fp16, B N = 16k, hidden 2048)", "",
-              "| d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | from torch TFLOP/s | x SDPA flash (torch) | "
-              "x SDPA cuDNN (torch) | fwd+bwd from torch | x SDPA flash |", "|" + "---|" * 10]
+    lines += ["", "## Speed: kernel only and from torch (FA2 grid, fp16, B N = 16k, hidden 2048)", "",
+              "| variant | d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | from torch TFLOP/s | "
+              "x SDPA flash (torch) | x SDPA cuDNN (torch) | fwd+bwd from torch | x SDPA flash |", "|" + "---|" * 11]
     for r in speed:
         def ratio(a, b):
             return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
-        lines.append(f"| {r['d']} | {r['causal']} | {r['N']} | {r['fa2-tc kernel TFLOP/s']:.0f} | "
-                     f"{ratio('fa2-tc kernel TFLOP/s', 'sdpa-flash kernel TFLOP/s')} | {r['fa2-tc torch TFLOP/s']:.0f} | "
-                     f"{ratio('fa2-tc torch TFLOP/s', 'sdpa-flash torch TFLOP/s')} | "
-                     f"{ratio('fa2-tc torch TFLOP/s', 'sdpa-cudnn torch TFLOP/s')} | "
-                     f"{r['fa2-tc torch both TFLOP/s']:.0f} | {ratio('fa2-tc torch both TFLOP/s', 'sdpa-flash torch both TFLOP/s')} |")
+        lines.append(f"| {r.get('variant', '-')} | {r['d']} | {r['causal']} | {r['N']} | {r['ours kernel TFLOP/s']:.0f} | "
+                     f"{ratio('ours kernel TFLOP/s', 'sdpa-flash kernel TFLOP/s')} | {r['ours torch TFLOP/s']:.0f} | "
+                     f"{ratio('ours torch TFLOP/s', 'sdpa-flash torch TFLOP/s')} | "
+                     f"{ratio('ours torch TFLOP/s', 'sdpa-cudnn torch TFLOP/s')} | "
+                     f"{r['ours torch both TFLOP/s']:.0f} | {ratio('ours torch both TFLOP/s', 'sdpa-flash torch both TFLOP/s')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -182,14 +203,26 @@ def add_arguments(ap):
     ap.add_argument("--skip-speed", action="store_true", help="only the host-time table")
 
 
+def sandbox_variant(name):
+    import sandbox
+    return sandbox.get_variant(name)
+
+
 def main(args, out: Path):
     try:
         torch = _torch()
     except ImportError:
-        raise SystemExit("error: the host family needs PyTorch (pip install torch)")
+        raise UsageError("the host family needs PyTorch (pip install torch)") from None
     if not torch.cuda.is_available():
-        raise SystemExit("error: the host family needs a CUDA GPU visible to PyTorch")
-    host = host_table(args.quick)
-    speed = [] if args.skip_speed else speed_table(args.quick)
+        raise UsageError("the host family needs a CUDA GPU visible to PyTorch")
+    host, speed = [], []
+    for name in series():
+        bound = sandbox_variant(name)
+        ok, verdict = oracle_check(bound, "float16", 64, "backward" if bound.variant.caps.backward else "forward")
+        if not ok:           # a variant that fails its check is not timed
+            host.append({"variant": name, "status": f"FAIL {verdict}"})
+            continue
+        host += host_table(name, args.quick)
+        speed += [] if args.skip_speed else speed_table(name, args.quick)
     rows = [{"table": "host", **r} for r in host] + [{"table": "speed", **r} for r in speed]
     write(Path(out), "host", "host", stamp(), rows, markdown(host, speed))

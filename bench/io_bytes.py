@@ -1,6 +1,11 @@
 """Family `io`: HBM bytes read and written per variant, measured with Nsight Compute, against an
-analytic IO model of each algorithm (FA1 paper Sec. 3.2, Theorem 2: standard attention moves
+analytic IO model of each algorithm (FA1 paper Sec. 3.2, Theorem 2: materialised attention moves
 Theta(N d + N^2) elements, FlashAttention Theta(N^2 d^2 / M)).
+
+Variants: every registered variant tagged io:<model> (bench/selection.py), in each of its dtypes
+among fp32 and fp16, forward and (with a backward) forward + backward; the model is the tag's
+(materialised: S and P in HBM; kv-outer: FA1's loop order, O, l, m through HBM; q-outer: FA2's),
+with the tile sizes of the variant's own default config (tiles_of: Br, Bc, the backward's Bc).
 
 Measurement: one `ncu` process runs every case (`--profile-from-start off`, metrics
 `dram__bytes_read.sum` and `dram__bytes_write.sum`, `--clock-control none`, base units). Each case is
@@ -11,7 +16,7 @@ is checked against the oracle on a small problem (sandbox.fuzz.check_case). Time
 setting come from sandbox.timing.time_fn (CUDA events, L2 flushed, median) in the driver process.
 
 Cases: the FA1 paper's Figure 2 setting (GPT-2 medium: B = 64, H = 16, N = 1024, d = 64; forward and
-forward + backward; the paper, on an A100 in fp16: standard 40.3 GB and 41.7 ms, FlashAttention
+forward + backward; the paper, on an A100 in fp16: Standard attention 40.3 GB and 41.7 ms, FlashAttention
 4.4 GB and 7.3 ms, forward + backward) and a sweep over N (B = 4, H = 16, d = 64, forward).
 
 The model counts each kernel's global loads and stores as the algorithm is written (no cache):
@@ -32,52 +37,81 @@ import sys
 from math import ceil
 from pathlib import Path
 
+from sandbox.registry import IO_MODELS
+
+from . import selection
 from .common import Progress, csv_of, stamp, write
+from .harness import oracle_check
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 MARKER = "io_case_marker"
 GPT2 = dict(B=64, H=16, N=1024, d=64)
 SWEEP_BH = dict(B=4, H=16, d=64)
-# (variant, dtype, directions) profiled; sdpa-* are PyTorch's backends
-VARIANTS = (("standard", "float32", ("forward", "both")), ("standard", "float16", ("forward", "both")),
-            ("fa1", "float32", ("forward", "both")), ("fa2", "float32", ("forward", "both")),
-            ("fa2-tc", "float16", ("forward",)),
-            ("sdpa-flash", "float16", ("forward", "both")), ("sdpa-math", "float16", ("forward", "both")))
-SWEEP_VARIANTS = (("standard", "float32"), ("fa1", "float32"), ("fa2", "float32"), ("fa2-tc", "float16"))
-# the tile sizes the model assumes: each variant's defaults
-TILES = {"fa1": (16, 128), "fa2": (64, 64), "fa2-tc": (64, 64)}
+# PyTorch's SDPA backends profiled beside the variants: (name, model, directions), fp16
+SDPA = (("sdpa-flash", None, ("forward", "both")), ("sdpa-math", "materialised", ("forward", "both")))
+DTYPES = ("float32", "float16")
 RAW = Path("/tmp/io_ncu_raw.txt")
 
 
-def bwd_block_c(d: int) -> int:
-    """Bc of the exact tier's backward kernels (variants/fa2_exact.py bwd_tiles)."""
-    return 64 if d <= 64 else 32
+def profiled() -> list[tuple[str, str, str, tuple]]:
+    """(variant, model, dtype, directions) of every io-tagged variant in each of its DTYPES."""
+    out = []
+    for v in selection.select(where=lambda v: selection.io_model(v) is not None, head_dim=GPT2["d"]):
+        directions = ("forward", "both") if v.caps.backward else ("forward",)
+        out += [(v.name, selection.io_model(v), dt, directions) for dt in DTYPES if dt in v.caps.dtypes]
+    return out
+
+
+def tiles_of(bound, d: int) -> tuple[int, int, int] | None:
+    """(Br, Bc, backward Bc) of the variant's kernels at head dim d, read from its own config: Br
+    `block_r`; Bc `bc(D)` where the config resolves it per head dim (auto) else `block_c`; the
+    backward's Bc from `bwd_tile(D)` or `bwd_tiles(D)` (the forward's Bc without either). D is d
+    padded to the 64 or 128 every kernel is built for; a per-device rule (`for_head_dim`) is resolved.
+    None for a config without tiles (materialised attention)."""
+    cfg, D = bound.config, 64 if d <= 64 else 128
+    if not hasattr(cfg, "block_r"):
+        return None
+    if hasattr(cfg, "for_head_dim"):
+        cfg = cfg.for_head_dim(D)
+    bc = cfg.bc(D) if callable(getattr(cfg, "bc", None)) else cfg.block_c
+    if hasattr(cfg, "bwd_tile"):
+        bwd_bc = cfg.bwd_tile(D)[1]
+    elif hasattr(cfg, "bwd_tiles"):
+        bwd_bc = cfg.bwd_tiles(D)[1]
+    else:
+        bwd_bc = bc
+    return cfg.block_r, bc, bwd_bc
 
 
 # ---- the analytic model (bytes for one (batch, head); e = element size, 4 = fp32 statistics)
 
-def model_bytes(variant: str, direction: str, N: int, d: int, e: int) -> float | None:
-    """HBM bytes of one head as the algorithm is written, no cache. None where no model is kept."""
+def model_bytes(model: str | None, direction: str, N: int, d: int, e: int, tiles=None) -> float | None:
+    """HBM bytes of one head as the algorithm is written, no cache; `tiles` = (Br, Bc, backward Bc)
+    of the tiled models (tiles_of). None where no model is kept (model None)."""
     Nd, NN = N * d, N * N
     fwd = bwd = None
-    if variant in ("standard", "sdpa-math"):
+    if model is not None and model not in IO_MODELS:
+        raise ValueError(f"no byte model {model!r}; models: {', '.join(IO_MODELS)}")
+    if model in ("kv-outer", "q-outer") and tiles is None:
+        raise ValueError(f"the {model} model needs the variant's tiles (Br, Bc, backward Bc)")
+    if model == "materialised":
         # S = QK^T (read Q, K; write S); P = softmax(S) in place (read, write; lse); O = PV (read P, V; write O)
         fwd = e * (2 * Nd + NN) + e * 2 * NN + 4 * N + e * (NN + Nd + Nd)
         # S again; P; dV = P^T dO; dP = dO V^T; D = rowsum(dO o O); dS in place of dP (reads S, dP);
         # dQ = dS K; dK = dS^T Q
         bwd = (e * (2 * Nd + NN) + e * 2 * NN + 4 * N + e * (NN + 2 * Nd) + e * (2 * Nd + NN)
                + e * 2 * Nd + 4 * N + e * 3 * NN + 4 * N + e * (NN + 2 * Nd) + e * (NN + 2 * Nd))
-    elif variant == "fa1":
-        br, bc = TILES["fa1"]
-        tc, tcb = ceil(N / bc), ceil(N / bwd_block_c(d))
+    elif model == "kv-outer":
+        br, bc, bwd_bc = tiles
+        tc, tcb = ceil(N / bc), ceil(N / bwd_bc)
         # K, V once; per K/V tile every Q row: read Q, O, m, l, write O, m, l (Algorithm 1, lines 8-13)
         fwd = e * 2 * Nd + tc * (e * 3 * Nd + 4 * 4 * N) + 4 * N
         # D = rowsum(dO o O) first; Algorithm 4: K, V read and dK, dV written once; per K/V tile:
         # read Q, dO, dQ, lse, D and write dQ
         bwd = e * 2 * Nd + 4 * N + e * 4 * Nd + tcb * (e * 4 * Nd + 8 * N)
-    elif variant in ("fa2", "fa2-tc"):
-        br, bc = TILES[variant]
-        tr, tcb = ceil(N / br), ceil(N / bwd_block_c(d))
+    elif model == "q-outer":
+        br, bc, bwd_bc = tiles
+        tr, tcb = ceil(N / br), ceil(N / bwd_bc)
         # Q once, O and lse once, K and V once per Q tile (Algorithm 1)
         fwd = e * 2 * Nd + tr * e * 2 * Nd + 4 * N
         # D = rowsum(dO o O); per K/V tile: read Q, dO, lse, D and add into dQ (fp32 read + write);
@@ -97,12 +131,34 @@ def compulsory_bytes(direction: str, N: int, d: int, e: int) -> float:
 # ---- the profiled process
 
 def cases(sweep):
-    out = []
-    for name, dtype, directions in VARIANTS:
-        out += [{"setting": "gpt2-medium", "variant": name, "dtype": dtype, "direction": dr, **GPT2} for dr in directions]
-    out += [{"setting": "sweep", "variant": name, "dtype": dtype, "direction": "forward", "N": n, **SWEEP_BH}
-            for n in sweep for name, dtype in SWEEP_VARIANTS]
+    """The profiled cases: every io variant and dtype (and the SDPA backends) in the GPT-2 setting,
+    each io variant in its first dtype in the forward sweep over N."""
+    todo = [(n, m, dt, drs) for n, m, dt, drs in profiled()] + [(n, m, "float16", drs) for n, m, drs in SDPA]
+    out = [{"setting": "gpt2-medium", "variant": name, "model": model, "dtype": dtype, "direction": dr, **GPT2}
+           for name, model, dtype, directions in todo for dr in directions]
+    first = {}
+    for name, model, dtype, _ in profiled():
+        first.setdefault(name, (model, dtype))
+    out += [{"setting": "sweep", "variant": name, "model": model, "dtype": dtype, "direction": "forward", "N": n,
+             **SWEEP_BH} for n in sweep for name, (model, dtype) in first.items()]
     return out
+
+
+def plan() -> list[dict]:
+    rows = []
+    for name, model, dtype, directions in profiled():
+        tiles = tiles_of(sandbox_variant(name), GPT2["d"])
+        what = "" if tiles is None or model == "materialised" else " (Br = {}, Bc = {}, backward Bc = {})".format(*tiles)
+        rows.append(selection.row("io", name, dtype, GPT2["d"], directions,
+                                  f"ncu bytes vs model {model}{what}: GPT-2 medium, forward sweep over N"))
+    return rows
+
+
+def sandbox_variant(spec: str):
+    import sandbox
+    from sandbox.registry import parse_spec
+    name, params = parse_spec(spec)
+    return sandbox.get_variant(name, **params)
 
 
 def callable_for(case):
@@ -118,7 +174,7 @@ def callable_for(case):
         return fn
     gen = cp.random.default_rng(N)
     q, k, v, dout = (gen.standard_normal((B, H, N, d), dtype=cp.float32).astype(dtype) for _ in range(4))
-    bound = sandbox.get_variant(case["variant"])
+    bound = sandbox_variant(case["variant"])
     if case["direction"] == "forward":
         return lambda: sandbox.forward(q, k, v, variant=bound)
     return lambda: sandbox.backward(dout, sandbox.forward(q, k, v, variant=bound))
@@ -177,21 +233,19 @@ def parse_ncu_csv(text: str, n_cases: int) -> list[dict]:
 
 def check_variants(names_dtypes):
     """Oracle check of each profiled variant (forward and, where it has one, backward) on a small case."""
-    import sandbox
-    from sandbox.fuzz import Case, check_case
     verdicts = {}
     for name, dtype in names_dtypes:
-        bound = sandbox.get_variant(name)
+        bound = sandbox_variant(name)
         direction = "backward" if bound.variant.caps.backward else "forward"
-        bad = [str(v) for v in check_case(bound, Case(1, 2, 2, 200, 200, 64, dtype, {}, 7), direction) if not v.ok]
-        verdicts[(name, dtype)] = "ok" if not bad else "FAIL " + "; ".join(bad)
+        ok, verdict = oracle_check(bound, dtype, 64, direction, n=200, seed=7)
+        verdicts[(name, dtype)] = "ok" if ok else f"FAIL {verdict}"
     return verdicts
 
 
 def run(sweep=(512, 1024, 2048, 4096, 8192), reps=10, ncu="ncu"):
     from sandbox.timing import time_fn
     todo = cases(sweep)
-    verdicts = check_variants({(c["variant"], c["dtype"]) for c in todo if not c["variant"].startswith("sdpa-")})
+    verdicts = check_variants(dict.fromkeys((c["variant"], c["dtype"]) for c in todo if not c["variant"].startswith("sdpa-")))
     todo = [c for c in todo if verdicts.get((c["variant"], c["dtype"]), "ok") == "ok"]
     case_file = Path("/tmp/io_cases.json")
     case_file.write_text(json.dumps(todo))
@@ -208,7 +262,9 @@ def run(sweep=(512, 1024, 2048, 4096, 8192), reps=10, ncu="ncu"):
     for case, m in zip(todo, measured):
         e = 4 if case["dtype"] == "float32" else 2
         heads = case["B"] * case["H"]
-        model = model_bytes(case["variant"], case["direction"], case["N"], case["d"], e)
+        tiles = (tiles_of(sandbox_variant(case["variant"]), case["d"]) if case["model"] in ("kv-outer", "q-outer")
+                 else None)
+        model = model_bytes(case["model"], case["direction"], case["N"], case["d"], e, tiles)
         row = {**case, "read_bytes": m[METRICS[0]], "write_bytes": m[METRICS[1]],
                "total_bytes": m[METRICS[0]] + m[METRICS[1]], "kernels": m["kernels"], "kernel_names": " ".join(m["names"]),
                "model_bytes": None if model is None else model * heads,
@@ -230,24 +286,25 @@ def gb(x):
 def markdown(rows, checks) -> str:
     out = ["GPT-2 medium setting (B = 64, H = 16, N = 1024, d = 64): HBM traffic measured by Nsight Compute "
            "(dram__bytes_read.sum + dram__bytes_write.sum) against the model; FA1 paper (A100, fp16, forward + "
-           "backward): standard 40.3 GB / 41.7 ms, FlashAttention 4.4 GB / 7.3 ms", "",
+           "backward): Standard attention 40.3 GB / 41.7 ms, FlashAttention 4.4 GB / 7.3 ms", "",
            "| variant | dtype | direction | read GB | write GB | total GB | model GB | compulsory GB | kernels | ms |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in (r for r in rows if r["setting"] == "gpt2-medium"):
         ms = f"{r['ms']:.2f}" if "ms" in r else "-"
         out.append(f"| {r['variant']} | {r['dtype']} | {r['direction']} | {gb(r['read_bytes'])} | {gb(r['write_bytes'])} | "
                    f"{gb(r['total_bytes'])} | {gb(r['model_bytes'])} | {gb(r['compulsory_bytes'])} | {r['kernels']} | {ms} |")
-    g = {(r["variant"], r["dtype"], r["direction"]): r for r in rows if r["setting"] == "gpt2-medium"}
-    out += ["", "Standard over FlashAttention (FA1 paper, forward + backward: 9.2x the bytes, 5.7x the time):", ""]
+    g = [r for r in rows if r["setting"] == "gpt2-medium"]
+    out += ["", "Materialised over tiled attention (FA1 paper, forward + backward: 9.2x the bytes, 5.7x the time):", ""]
     for dtype in ("float32", "float16"):
-        for fa in ("fa2", "fa1", "fa2-tc", "sdpa-flash"):
-            for direction in ("both", "forward"):
-                std = g.get(("standard" if not fa.startswith("sdpa") else "sdpa-math", dtype, direction))
-                f = g.get((fa, dtype, direction))
-                if std and f and f["total_bytes"] > 0:
-                    out.append(f"- {std['variant']} / {fa} ({dtype}, {direction}): {std['total_bytes'] / f['total_bytes']:.1f}x "
-                               f"the bytes" + (f", {std['ms'] / f['ms']:.1f}x the time" if "ms" in std and "ms" in f else "")
-)
+        for direction in ("both", "forward"):
+            for f in (r for r in g if (r["dtype"], r["direction"]) == (dtype, direction) and r.get("model") != "materialised"):
+                sdpa = f["variant"].startswith("sdpa-")     # SDPA's tiled backend against SDPA's math backend
+                std = next((r for r in g if (r["dtype"], r["direction"]) == (dtype, direction)
+                            and r.get("model") == "materialised" and r["variant"].startswith("sdpa-") == sdpa), None)
+                if std and f["total_bytes"] > 0:
+                    out.append(f"- {std['variant']} / {f['variant']} ({dtype}, {direction}): "
+                               f"{std['total_bytes'] / f['total_bytes']:.1f}x the bytes"
+                               + (f", {std['ms'] / f['ms']:.1f}x the time" if "ms" in std and "ms" in f else ""))
     sweep = [r for r in rows if r["setting"] == "sweep"]
     if sweep:
         Ns = sorted({r["N"] for r in sweep})
@@ -272,7 +329,7 @@ def add_arguments(ap):
 def main(args, out: Path):
     rows, checks = run(tuple(args.sweep), args.reps, args.ncu)
     write(out, "io", "io", stamp(checks=checks), rows, markdown(rows, checks),
-          ["setting", "variant", "dtype", "direction", "B", "H", "N", "d", "read_bytes", "write_bytes",
+          ["setting", "variant", "model", "dtype", "direction", "B", "H", "N", "d", "read_bytes", "write_bytes",
            "total_bytes", "model_bytes", "compulsory_bytes", "kernels", "ms", "kernel_names"])
 
 

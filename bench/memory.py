@@ -1,6 +1,9 @@
-"""Family `memory`: peak device memory against N for standard attention and FlashAttention-2,
+"""Family `memory`: peak device memory against N for materialised attention and FlashAttention,
 forward and backward (FA1 paper Sec. 3.2 / FA2 paper Sec. 4: memory linear in N instead of
-quadratic), up to the largest N that fits; where standard runs out is marked.
+quadratic), up to the largest N that fits; where the materialised one runs out is marked.
+
+Series (bench/selection.py): the registered variants tagged baseline and flagship, in each of their
+dtypes among fp32 and fp16, forward and (with a backward) forward + backward.
 
 Setting: B = 1, H = 16, d = 128, N doubling from 1k to 128k. Measurement: a CuPy memory hook
 counts the bytes the pool hands out and takes back during one call (forward, or forward +
@@ -18,13 +21,30 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from . import selection
 from .common import Progress, stamp, write
+from .harness import oracle_check
 
 SETTING = dict(B=1, H=16, d=128)
-# (variant, dtype, direction): the exact tier has the backward; fa2-tc (fp16) is forward only
-SERIES = (("standard", "float32", "forward"), ("standard", "float32", "both"), ("fa2", "float32", "forward"),
-          ("fa2", "float32", "both"), ("standard", "float16", "forward"), ("fa2-tc", "float16", "forward"),
-          ("sdpa-flash", "float16", "forward"), ("sdpa-flash", "float16", "both"), ("sdpa-math", "float16", "forward"))
+DTYPES = ("float32", "float16")
+# PyTorch's SDPA backends measured beside the variants (fp16)
+SDPA_SERIES = (("sdpa-flash", "float16", "forward"), ("sdpa-flash", "float16", "both"), ("sdpa-math", "float16", "forward"))
+
+
+def series() -> list[tuple[str, str, str]]:
+    """(variant, dtype, direction) of the baseline and flagship variants, then SDPA's."""
+    chosen = [v for v in selection.select(head_dim=SETTING["d"]) if "baseline" in v.tags or "flagship" in v.tags]
+    return [(v.name, dt, dr) for dt in DTYPES for v in chosen if dt in v.caps.dtypes
+            for dr in (("forward", "both") if v.caps.backward else ("forward",))] + list(SDPA_SERIES)
+
+
+def plan() -> list[dict]:
+    rows = {}
+    for name, dtype, direction in series():
+        if not name.startswith("sdpa-"):
+            rows.setdefault((name, dtype), []).append(direction)
+    return [selection.row("memory", n, dt, SETTING["d"], drs, "peak bytes of one call, B = 1, H = 16, N = 1k-128k")
+            for (n, dt), drs in rows.items()]
 
 
 class PeakHook:
@@ -99,7 +119,6 @@ def peak_sdpa(backend, direction, N, B, H, d):
 
 def run(max_n=131072, max_seconds=40.0, start=1024):
     import cupy as cp
-    from sandbox.fuzz import Case, check_case
     import sandbox
     Ns = []
     n = start
@@ -107,14 +126,14 @@ def run(max_n=131072, max_seconds=40.0, start=1024):
         Ns.append(n)
         n *= 2
     rows, checks = [], []
-    progress = Progress(len(SERIES) * len(Ns), "memory")
-    for name, dtype, direction in SERIES:
+    todo = series()
+    progress = Progress(len(todo) * len(Ns), "memory")
+    for name, dtype, direction in todo:
         sdpa = name.startswith("sdpa-")
         if not sdpa:
-            bad = [str(v) for v in check_case(sandbox.get_variant(name), Case(1, 2, 2, 200, 200, 128, dtype, {}, 3),
-                                              "forward" if direction == "forward" else "backward") if not v.ok]
-            checks.append(f"{name} {dtype} {direction}: {'ok' if not bad else 'FAIL'}")
-            if bad:
+            ok, verdict = oracle_check(sandbox.get_variant(name), dtype, SETTING["d"], direction, n=200, seed=3)
+            checks.append(f"{name} {dtype} {direction}: {'ok' if ok else f'FAIL {verdict}'}")
+            if not ok:
                 continue
         stopped = None
         for N in Ns:

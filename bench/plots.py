@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import load, stamp_line
+from .variants_table import ROW_KEYS
 
 
 def _figure(ncols=1, width=6.5):
@@ -50,8 +51,7 @@ def variants(data, path):
     for ax, g in zip(axes, groups):
         sub = sorted((r for r in data["rows"] if (r["variant"], r["dtype"], r["d"]) == g and "tflops" in r),
                      key=lambda r: r["tflops"])
-        labels = [" ".join(f"{k}={r[k]}" for k in ("split", "block_r", "block_c", "warps", "min_blocks") if k in r)
-                  for r in sub]
+        labels = [" ".join(f"{k}={r[k]}" for k in r if k not in ROW_KEYS) for r in sub]
         ax.barh(range(len(sub)), [r["tflops"] for r in sub], color=["tab:red" if r["best"] else "tab:blue" for r in sub])
         ax.set_yticks(range(len(sub)), labels, fontsize=5)
         ax.set_xlabel("TFLOP/s")
@@ -136,14 +136,17 @@ def blocksparse(data, path):
     ax.set_ylabel("forward ms")
     ax.legend(fontsize=6)
     ax.grid(True, alpha=0.3)
-    _finish(plt, fig, data["meta"], "Block-sparse FA2: time against density", path)
+    _finish(plt, fig, data["meta"], "Block-sparse attention: time against density", path)
 
 
 def dropout(data, path):
     plt, fig, (ax,) = _figure()
-    for store in ("replay", "packed"):
-        pts = sorted((r["N"], r["bwd_ms"]) for r in data["rows"] if r["store"] == store)
-        ax.plot(*zip(*pts), marker="o", label=f"backward, mask {store}")
+    for variant in dict.fromkeys(r.get("variant", "") for r in data["rows"]):
+        for store in ("replay", "packed"):
+            pts = sorted((r["N"], r["bwd_ms"]) for r in data["rows"]
+                         if r["store"] == store and r.get("variant", "") == variant and "bwd_ms" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{variant} backward, mask {store}".strip())
     ax.set_xscale("log", base=2)
     ax.set_xlabel("N")
     ax.set_ylabel("ms")

@@ -18,10 +18,20 @@ import numpy as np
 from sandbox import softmax
 from sandbox.timing import time_fn
 
+from . import selection
 from .common import csv_of, stamp, write
+from .harness import check_then_time
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 CHECK_ROWS = 8
+BACKENDS = ("cuda", "numba")
+
+
+def plan() -> list[dict]:
+    """The softmax kernels (sandbox.softmax, not attention variants) and the copy roof."""
+    return [selection.row("softmax", f"{alg} softmax ({backend})", "float32", "-", "forward",
+                          f"4000 vectors, n = {LENGTHS[0]}-{LENGTHS[-1]}") for backend in BACKENDS
+            for alg in softmax.ALGORITHMS]
 
 
 def run(rows, lengths, backends, reps):
@@ -35,13 +45,16 @@ def run(rows, lengths, backends, reps):
         results.append({"n": n, "kernel": "copy", "ms": t.median_ms, "gbps": nbytes / t.median_ms / 1e6})
         for backend in backends:
             for alg in softmax.ALGORITHMS:
-                got = softmax.softmax(x, alg, backend)
-                ref = softmax.reference(x[:CHECK_ROWS].get(), alg)
-                ok = np.allclose(got[:CHECK_ROWS].get(), ref, rtol=2e-6, atol=1e-9)
-                row = {"n": n, "kernel": f"{alg} ({backend})", "check": "ok" if ok else "FAILED"}
-                if ok:
-                    t = time_fn(lambda: softmax.softmax(x, alg, backend), reps=reps)
-                    row.update(ms=t.median_ms, gbps=nbytes / t.median_ms / 1e6)
+                def check():
+                    got = softmax.softmax(x, alg, backend)
+                    ref = softmax.reference(x[:CHECK_ROWS].get(), alg)
+                    return np.allclose(got[:CHECK_ROWS].get(), ref, rtol=2e-6, atol=1e-9), "FAILED"
+                timed = check_then_time(check, lambda: (lambda: softmax.softmax(x, alg, backend)), reps)
+                status = timed["status"]
+                row = {"n": n, "kernel": f"{alg} ({backend})",
+                       "check": "ok" if "ms" in timed else "FAILED" if status.startswith("FAIL") else status}
+                if "ms" in timed:
+                    row.update(ms=timed["ms"], gbps=nbytes / timed["ms"] / 1e6)
                 results.append(row)
                 print(f"  n={n:6d} {row['kernel']:16s} {row.get('gbps', 0):8.1f} GB/s {row['check']}", flush=True)
     return results
@@ -67,7 +80,7 @@ def markdown(results, rows):
 def add_arguments(ap):
     ap.add_argument("--rows", type=int, default=4000)
     ap.add_argument("--lengths", type=csv_of(kind=int, low=1), default=LENGTHS)
-    ap.add_argument("--backends", type=csv_of(("cuda", "numba")), default=("cuda", "numba"))
+    ap.add_argument("--backends", type=csv_of(BACKENDS), default=BACKENDS)
 
 
 def main(args, out: Path):

@@ -1,13 +1,14 @@
 """Family `variants`: warp partitioning x Br/Bc x warps for one shape family at a time, the best
 configuration marked (FA2 paper Sec. 3.3: split-Q over split-K; FA1 paper Sec. 3.1: block sizes).
 
-Every legal combination of a variant's partitioning and tile parameters is checked against the
-oracle (the grid family's row-slice check on the very problem timed), then timed with
-sandbox.timing.time_fn (CUDA events, L2 flushed, median). A combination the variant rejects
-(shared memory, registers, envelope) is listed with the reason and not timed.
-Shape families (B * N = 16k tokens, hidden 2048, forward, non-causal):
-  exact:  fa1 and fa2, fp32, d = 64, N = 2048
-  tc:     fa2-tc, fp16, d = 64 and 128, N = 4096
+Variants: every registered variant with a `bench_sweep` (its registration: parameter -> values),
+in each shape family whose dtype it supports; every combination of the sweep's values is checked
+against the oracle (the grid family's row-slice check on the very problem timed), then timed with
+sandbox.timing.time_fn (CUDA events, L2 flushed, median) through bench.harness. A combination the
+variant rejects (shared memory, registers, envelope) is listed with the reason and not timed.
+Shape families (B * N = 16k tokens, hidden 2048, forward, non-causal; SHAPES):
+  exact:  fp32, d = 64, N = 2048
+  tc:     fp16, d = 64 and 128, N = 4096
 
     python -m bench variants --shapes exact,tc
 """
@@ -18,20 +19,38 @@ from pathlib import Path
 
 import sandbox
 from sandbox.problem import make_problem
-from sandbox.timing import tflops, time_fn
+from sandbox.timing import tflops
 
+from . import selection
 from .common import Progress, csv_of, stamp, write
 from .grid import check_slice
+from .harness import check_then_time
 
-# (variant, dtype, head dims, N, the swept axes: param -> values)
-SHAPES = {
-    "exact": [("fa1", "float32", (64,), 2048, {"split": ("k", "q"), "block_r": (16, 64), "block_c": (64, 128),
-                                                 "warps": (4,)}),
-              ("fa2", "float32", (64,), 2048, {"split": ("q", "k"), "block_r": (16, 64, 128), "block_c": (64, 128),
-                                                 "warps": (4, 8)})],
-    "tc": [("fa2-tc", "float16", (64, 128), 4096, {"block_r": (64, 128), "block_c": (32, 64, 128), "warps": (4, 8),
-                                                    "min_blocks": ("auto", 1, 2)})],
-}
+# shape family -> (dtype, head dims, N)
+SHAPES = {"exact": ("float32", (64,), 2048), "tc": ("float16", (64, 128), 4096)}
+ROW_KEYS = {"shape", "variant", "dtype", "d", "N", "B", "H", "status", "ms", "p10_ms", "p90_ms", "tflops", "best"}
+
+
+def swept(shape: str) -> list[tuple]:
+    """(variant name, dtype, head dims, N, axes) of every registered variant with a bench_sweep that
+    runs the shape family's dtype (and at least one of its head dims)."""
+    dtype, dims, N = SHAPES[shape]
+    out = []
+    for v in selection.select(dtype=dtype, where=lambda v: bool(v.bench_sweep)):
+        ds = tuple(d for d in dims if d in v.caps.head_dims)
+        if ds:
+            out.append((v.name, dtype, ds, N, dict(v.bench_sweep)))
+    return out
+
+
+def plan() -> list[dict]:
+    rows = []
+    for shape in SHAPES:
+        for name, dtype, dims, N, axes in swept(shape):
+            n = len(list(configs(axes)))
+            rows.append(selection.row("variants", name, dtype, dims, "forward", f"{shape}: N = {N}, {n} configs: "
+                                      + " x ".join(f"{k} {'|'.join(map(str, vs))}" for k, vs in axes.items())))
+    return rows
 
 
 def configs(axes: dict):
@@ -42,11 +61,11 @@ def configs(axes: dict):
 
 def run(shapes=("exact", "tc"), reps=10, tokens=16384, hidden=2048):
     import cupy as cp
-    plan = [(s, name, dtype, d, N, params) for s in shapes for name, dtype, dims, N, axes in SHAPES[s]
+    todo = [(s, name, dtype, d, N, params) for s in shapes for name, dtype, dims, N, axes in swept(s)
             for d in dims for params in configs(axes)]
-    progress = Progress(len(plan), "variants")
+    progress = Progress(len(todo), "variants")
     rows, inputs = [], {}
-    for shape, name, dtype, d, N, params in plan:
+    for shape, name, dtype, d, N, params in todo:
         label = " ".join(f"{k}={v}" for k, v in params.items())
         progress(f"{name} d={d} {label}")
         key = (dtype, d, N)
@@ -59,18 +78,18 @@ def run(shapes=("exact", "tc"), reps=10, tokens=16384, hidden=2048):
         q, k, v = inputs[key]
         flops = make_problem(q, k, v).flops()
         row = {"shape": shape, "variant": name, "dtype": dtype, "d": d, "N": N, "B": q.shape[0], "H": q.shape[1], **params}
-        try:
-            bound = sandbox.get_variant(name, **params)
-            bound.check(make_problem(q, k, v))
-            res = sandbox.forward(q, k, v, variant=bound)
-        except (ValueError, RuntimeError) as e:       # RuntimeError: a launch the driver refuses
-            rows.append({**row, "status": f"rejected: {reason(e)}"}); continue
-        ok, verdict = check_slice(bound, q, k, v, res, False, dtype)
-        del res
-        if not ok:
-            rows.append({**row, "status": f"FAIL {verdict}"}); continue
-        t = time_fn(lambda: sandbox.forward(q, k, v, variant=bound), reps=reps)
-        rows.append({**row, "status": "ok", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
+        bound = []
+
+        def check():
+            bound.append(sandbox.get_variant(name, **params))
+            bound[0].check(make_problem(q, k, v))
+            return check_slice(bound[0], q, k, v, sandbox.forward(q, k, v, variant=bound[0]), False, dtype)
+        # RuntimeError: a launch the driver refuses
+        row.update(check_then_time(check, lambda: (lambda: sandbox.forward(q, k, v, variant=bound[0])), reps,
+                                   rejects=(ValueError, RuntimeError), rejected="rejected", reason=reason))
+        if "ms" in row:
+            row["tflops"] = tflops(flops, row["ms"])
+        rows.append(row)
     mark_best(rows)
     return rows
 
@@ -96,7 +115,7 @@ def markdown(rows) -> str:
     out = []
     for g in dict.fromkeys((r["variant"], r["dtype"], r["d"], r["N"]) for r in rows):
         sub = [r for r in rows if (r["variant"], r["dtype"], r["d"], r["N"]) == g]
-        axes = [k for k in ("split", "block_r", "block_c", "warps", "min_blocks") if k in sub[0]]
+        axes = [k for k in sub[0] if k not in ROW_KEYS]
         out += [f"{g[0]}, {g[1]}, d = {g[2]}, N = {g[3]}, B = {sub[0]['B']}, H = {sub[0]['H']}, forward: TFLOP/s "
                 "(best marked **)", "", "| " + " | ".join(axes) + " | TFLOP/s | ms |", "|" + "---|" * (len(axes) + 2)]
         for r in sorted(sub, key=lambda r: -r.get("tflops", -1)):

@@ -16,28 +16,53 @@ def test_every_family_has_arguments_and_main():
         assert callable(mod.add_arguments) and callable(mod.main), name
 
 
-def test_standard_io_model_counts_each_pass():
+def test_materialised_io_model_counts_each_pass():
     N, d, e = 1024, 64, 2
     # forward: QK^T (2Nd read, N^2 write), softmax in place (2 N^2, lse), PV (N^2 + Nd read, Nd write)
-    assert io_bytes.model_bytes("standard", "forward", N, d, e) == e * (4 * N * d + 4 * N * N) + 4 * N
+    assert io_bytes.model_bytes("materialised", "forward", N, d, e) == e * (4 * N * d + 4 * N * N) + 4 * N
 
 
-def test_fa2_model_is_linear_in_passes_and_below_standard():
-    N, d, e = 4096, 64, 2
-    fa2 = io_bytes.model_bytes("fa2", "forward", N, d, e)
+def test_q_outer_model_is_linear_in_passes_and_below_materialised():
+    N, d, e, tiles = 4096, 64, 2, (64, 64, 64)
+    fa2 = io_bytes.model_bytes("q-outer", "forward", N, d, e, tiles)
     assert fa2 == e * 2 * N * d + (N // 64) * e * 2 * N * d + 4 * N
-    assert fa2 < io_bytes.model_bytes("standard", "forward", N, d, e)
-    for v in ("standard", "fa1", "fa2"):
-        assert io_bytes.model_bytes(v, "both", N, d, e) > io_bytes.model_bytes(v, "forward", N, d, e)
-        assert io_bytes.compulsory_bytes("both", N, d, e) <= io_bytes.model_bytes(v, "both", N, d, e)
-    assert io_bytes.model_bytes("sdpa-flash", "forward", N, d, e) is None
+    assert fa2 < io_bytes.model_bytes("materialised", "forward", N, d, e)
+    # a taller Q tile (Br = 128) reads K and V half as often
+    assert io_bytes.model_bytes("q-outer", "forward", N, d, e, (128, 64, 64)) == e * 2 * N * d + 32 * e * 2 * N * d + 4 * N
+    for m in ("materialised", "kv-outer", "q-outer"):
+        assert io_bytes.model_bytes(m, "both", N, d, e, tiles) > io_bytes.model_bytes(m, "forward", N, d, e, tiles)
+        assert io_bytes.compulsory_bytes("both", N, d, e) <= io_bytes.model_bytes(m, "both", N, d, e, tiles)
+    assert io_bytes.model_bytes(None, "forward", N, d, e) is None
+    with pytest.raises(ValueError, match="no byte model"):
+        io_bytes.model_bytes("kv-inner", "forward", N, d, e, tiles)
+    with pytest.raises(ValueError, match="needs the variant's tiles"):
+        io_bytes.model_bytes("q-outer", "forward", N, d, e)
 
 
-def test_fa1_model_grows_as_theorem_2():
+def test_kv_outer_model_grows_as_theorem_2():
     # Theorem 2: Theta(N^2 d^2 / M); at fixed tiles the quadratic term dominates: 4x bytes per 2x N
-    d, e = 64, 4
-    r = io_bytes.model_bytes("fa1", "forward", 16384, d, e) / io_bytes.model_bytes("fa1", "forward", 8192, d, e)
+    d, e, tiles = 64, 4, (16, 128, 64)
+    r = (io_bytes.model_bytes("kv-outer", "forward", 16384, d, e, tiles)
+         / io_bytes.model_bytes("kv-outer", "forward", 8192, d, e, tiles))
     assert 3.8 < r < 4.0
+
+
+def test_io_tiles_are_read_from_each_variants_config():
+    """Br, Bc and the backward's Bc come from the bound config (a non-default Br included), not a table."""
+    import sandbox
+    from bench.selection import io_model
+    tiled = [v for v in sandbox.registry.all_variants().values() if io_model(v) in ("kv-outer", "q-outer")]
+    assert tiled
+    for v in tiled:
+        bound = v.bind()
+        br, bc, bwd_bc = io_bytes.tiles_of(bound, 64)
+        cfg = bound.config.for_head_dim(64) if hasattr(bound.config, "for_head_dim") else bound.config
+        assert br == cfg.block_r and bc in (cfg.block_c, cfg.bc(64) if hasattr(cfg, "bc") else None) and bwd_bc > 0
+        other = next(x for x in (16, 32, 64, 128) if x != br and x in next(p for p in v.params if p.name == "block_r").choices)
+        assert io_bytes.tiles_of(v.bind(block_r=other), 64)[0] == other
+    # the tensor-core flagship's forward Q tile is its default Br (128 since bench/results/h100 2026-11-22)
+    tc = next(v for v in tiled if "flagship" in v.tags and "float16" in v.caps.dtypes)
+    assert io_bytes.tiles_of(tc.bind(), 64)[0] == next(p for p in tc.params if p.name == "block_r").default
 
 
 NCU = '''==PROF== Connected to process 1
@@ -67,11 +92,18 @@ def test_ncu_rows_are_cut_into_cases_at_the_markers():
 
 
 def test_io_cases_cover_the_papers_setting_and_the_sweep():
+    import sandbox
+    from bench.selection import io_model
     cs = io_bytes.cases((512, 1024))
     gpt2 = [c for c in cs if c["setting"] == "gpt2-medium"]
     assert {(c["B"], c["H"], c["N"], c["d"]) for c in gpt2} == {(64, 16, 1024, 64)}
-    assert {"standard", "fa2", "sdpa-flash"} <= {c["variant"] for c in gpt2 if c["direction"] == "both"}
-    assert len([c for c in cs if c["setting"] == "sweep"]) == 2 * len(io_bytes.SWEEP_VARIANTS)
+    tagged = {n for n, v in sandbox.registry.all_variants().items() if io_model(v)}
+    assert {c["variant"] for c in gpt2} == tagged | {"sdpa-flash", "sdpa-math"}
+    assert all(c["model"] == io_model(sandbox.registry.all_variants()[c["variant"]]) for c in cs
+               if not c["variant"].startswith("sdpa-"))
+    with_backward = {n for n in tagged if sandbox.registry.all_variants()[n].caps.backward}
+    assert {c["variant"] for c in gpt2 if c["direction"] == "both"} == with_backward | {"sdpa-flash", "sdpa-math"}
+    assert len([c for c in cs if c["setting"] == "sweep"]) == 2 * len(tagged)
 
 
 @pytest.mark.parametrize("density", [0.05, 0.3, 1.0])
@@ -116,7 +148,7 @@ def synthetic():
     variants_table.mark_best(var_rows)
     soft = [{"n": n, "kernel": k, "ms": 1.0, "gbps": g} for n in (1024, 2048) for k, g in
             (("copy", 3000.0), ("safe (cuda)", 1500.0), ("online (cuda)", 2000.0))]
-    io_rows = [{"setting": s, "variant": v, "dtype": "float16", "direction": "forward", "B": 4, "H": 16, "N": n, "d": 64,
+    io_rows = [{"setting": s, "variant": v, "model": "materialised" if m else None, "dtype": "float16", "direction": "forward", "B": 4, "H": 16, "N": n, "d": 64,
                 "read_bytes": 1e9, "write_bytes": 1e8, "total_bytes": 1.1e9, "model_bytes": m, "compulsory_bytes": 1e8,
                 "kernels": 3, "kernel_names": "a b c"}
                for s, n in (("gpt2-medium", 1024), ("sweep", 512), ("sweep", 1024)) for v, m in (("standard", 2e9), ("sdpa-flash", None))]
