@@ -1,6 +1,6 @@
 // common.cuh: element types, visibility masks and reductions shared by every attention kernel.
 //
-// Masks (DESIGN.md "Masks"): causal and window arrive folded into one band, visible iff
+// Masks (docs/ARCHITECTURE.md "Masks"): causal and window arrive folded into one band, visible iff
 // lo <= j - i <= hi (bottom-right aligned on the host); block-sparse layouts arrive either as
 // the element layout (standard attention) or as a per-tile class table (tiled kernels).
 #pragma once

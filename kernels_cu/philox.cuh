@@ -1,4 +1,4 @@
-// philox.cuh: Philox4x32-R counter-based RNG and the dropout keep decision (DESIGN.md RNG contract).
+// philox.cuh: Philox4x32-R counter-based RNG and the dropout keep decision (docs/ARCHITECTURE.md "Dropout and the RNG contract").
 //
 // Salmon et al., SC'11 (Random123); R = 10 is the standard generator (cuRAND's Philox), R = 7 is
 // the cheaper one flash-attn uses. Bit-identical to sandbox/philox.py and the Numba device
