@@ -32,6 +32,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from math import ceil
@@ -40,7 +41,7 @@ from pathlib import Path
 from sandbox.registry import IO_MODELS
 
 from . import selection
-from .common import Progress, csv_of, stamp, write
+from .common import Progress, UsageError, csv_of, stamp, write
 from .harness import oracle_check
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
@@ -244,6 +245,8 @@ def check_variants(names_dtypes):
 
 def run(sweep=(512, 1024, 2048, 4096, 8192), reps=10, ncu="ncu"):
     from sandbox.timing import time_fn
+    if shutil.which(ncu) is None:
+        raise UsageError(f"the io family measures bytes with Nsight Compute: {ncu!r} is not on PATH (--ncu PATH)")
     todo = cases(sweep)
     verdicts = check_variants(dict.fromkeys((c["variant"], c["dtype"]) for c in todo if not c["variant"].startswith("sdpa-")))
     todo = [c for c in todo if verdicts.get((c["variant"], c["dtype"]), "ok") == "ok"]
@@ -279,6 +282,19 @@ def run(sweep=(512, 1024, 2048, 4096, 8192), reps=10, ncu="ncu"):
     return rows, [f"{n} {dt}: {v}" for (n, dt), v in verdicts.items()]
 
 
+def model_of(row) -> str | None:
+    """A row's byte model; rows written before the model column get it from the registry's tags
+    (or the SDPA table)."""
+    if "model" in row:
+        return row["model"]
+    sdpa = {name: model for name, model, _ in SDPA}
+    if row["variant"] in sdpa:
+        return sdpa[row["variant"]]
+    from sandbox.registry import all_variants
+    v = all_variants().get(row["variant"].partition(":")[0])
+    return selection.io_model(v) if v is not None else None
+
+
 def gb(x):
     return "-" if x is None else f"{x / 1e9:.2f}"
 
@@ -297,10 +313,10 @@ def markdown(rows, checks) -> str:
     out += ["", "Materialised over tiled attention (FA1 paper, forward + backward: 9.2x the bytes, 5.7x the time):", ""]
     for dtype in ("float32", "float16"):
         for direction in ("both", "forward"):
-            for f in (r for r in g if (r["dtype"], r["direction"]) == (dtype, direction) and r.get("model") != "materialised"):
+            for f in (r for r in g if (r["dtype"], r["direction"]) == (dtype, direction) and model_of(r) != "materialised"):
                 sdpa = f["variant"].startswith("sdpa-")     # SDPA's tiled backend against SDPA's math backend
                 std = next((r for r in g if (r["dtype"], r["direction"]) == (dtype, direction)
-                            and r.get("model") == "materialised" and r["variant"].startswith("sdpa-") == sdpa), None)
+                            and model_of(r) == "materialised" and r["variant"].startswith("sdpa-") == sdpa), None)
                 if std and f["total_bytes"] > 0:
                     out.append(f"- {std['variant']} / {f['variant']} ({dtype}, {direction}): "
                                f"{std['total_bytes'] / f['total_bytes']:.1f}x the bytes"

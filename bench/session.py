@@ -9,9 +9,12 @@ Parts (--parts, default all four; tests and sanitize run side by side, then benc
             has one, and at d = 128 with the backward; its bench_configs (forward ones forward, bwd_*
             ones with the backward, at the same head dims; --sanitize-configs defaults leaves them out),
             --sanitize-jobs processes at once: sanitizer.txt (a verdict per run), sanitizer.log
-  bench     the benchmark families of --families ("run" is `python -m sandbox run`, non-causal and
-            causal; "grid" runs once per --grid dtype:headdim, with the fp16 GEMM ceiling beside an fp16
-            one): families/ (each family's md, csv, json), bench.md, bench.log
+  bench     the benchmark families of --families (default run, grid, softmax, dropout; "run" is
+            `python -m sandbox run`, non-causal and causal; "grid" runs once per --grid dtype:headdim,
+            default float32:64 and float16:64, each its tier's ladder from the registry, in
+            --grid-directions, default forward: add backward for the backward rungs; the fp16 GEMM
+            ceiling beside an fp16 run): families/ (each family's md, csv, json), bench.md, bench.log;
+            `python -m bench plan` shows what each family times
   profile   Nsight Compute (SpeedOfLight, memory workload, launch, occupancy sections) on one warm
             forward + backward of --profile (default: the flagship tensor-core variant of the registry)
             on the FA2 grid's shape: profile.ncu-rep, profile.txt (`ncu --page details`)
@@ -368,8 +371,12 @@ def run_profile(s: Session):
     (s.stage / "profile_case.txt").write_text(f"{spec}, N = {s.args.profile_n}, d = {s.args.profile_d}\n")
     from .gpu_summary import parse_ncu_details
     kernels = parse_ncu_details((s.stage / "profile.txt").read_text(errors="replace")) if rc == 0 else []
-    s.results["profile"] = (f"{len(kernels)} kernels profiled ({spec})" if rc == 0 and kernels
-                            else f"failed (rc {rc}; profile.log)")
+    if rc == 0 and kernels:
+        s.results["profile"] = f"{len(kernels)} kernels profiled ({spec})"
+    else:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        why = [x.strip() for x in text.splitlines() if "ERR" in x or "rror" in x] or ["no kernel in the report"]
+        s.results["profile"] = f"failed (rc {rc}: {why[-1][:120]})".replace("|", "/")
     s.failed |= rc != 0 or not kernels
 
 
