@@ -70,8 +70,8 @@ def add_arguments(ap):
                     help="Hypothesis examples per fuzz test (GPU_EXAMPLES)")
     ap.add_argument("--shards", type=int, default=int(os.environ.get("GPU_SHARDS", "1")),
                     help="independent tests per fuzz pair (GPU_SHARDS)")
-    ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers")
-    ap.add_argument("--pytest-k", default=None, help="pytest -k expression")
+    ap.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "8")), help="pytest-xdist workers (WORKERS)")
+    ap.add_argument("--pytest-k", default=os.environ.get("PYTEST_K"), help="pytest -k expression (PYTEST_K)")
     ap.add_argument("--sanitize-jobs", type=int, default=6, help="sanitizer processes at once")
     ap.add_argument("--sanitize-configs", choices=("all", "defaults"), default="all",
                     help="sanitize each CUDA variant's bench_configs too (all) or its defaults only")
