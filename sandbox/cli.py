@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from . import api, fuzz, oracle, tolerance
 from .device import cupy_or_none, device_name, has_gpu
@@ -137,6 +138,28 @@ def cmd_list(args):
         _write_json(args.json, variants())
 
 
+def _prebuild(bounds):
+    """Build every module the chosen CUDA variants can launch, in parallel threads, into the disk
+    cache before the first check: a cold start compiles once per core instead of one module after
+    another, and a warm one reads every CUBIN from the cache (sandbox/loader.py)."""
+    from . import loader
+    from .device import arch
+    units = [u for b in bounds if b.variant.backend == "cuda" for u in b.variant.impl.compile_units(b.config)]
+    if not units:
+        return
+    t0 = time.perf_counter()
+
+    def progress(i, n, unit, target, build, seconds):
+        print(f"\r  modules: {i}/{n} ({seconds:.0f} s)", end="", file=sys.stderr, flush=True)
+
+    try:
+        loader.prebuild(units, arch(), progress=progress)
+    except Exception as e:      # noqa: BLE001 the lazy path builds (or falls back to CuPy's NVRTC) per module
+        print(f"\n  prebuild skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})", file=sys.stderr)
+        return
+    print(f"\r  modules: {len(units)} ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
 def cmd_run(args):
     from .timing import time_fn, tflops
     import numpy as np
@@ -146,6 +169,8 @@ def cmd_run(args):
     print(_mode_line(), flush=True)
     print(f"problem: B={B} H={H} N={N} d={d} causal={args.causal} (forward; FLOPs = 4 B H N^2 d"
           f"{' / 2' if args.causal else ''})", flush=True)
+    if gpu:
+        _prebuild([bound for _, bound in chosen])
     rows, records = [], []
     for name, bound in chosen:
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
