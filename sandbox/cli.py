@@ -176,11 +176,14 @@ def cmd_run(args):
         for dtype in ([args.dtype] if args.dtype else bound.variant.caps.dtypes):
             case = fuzz.Case(B, H, H, N, N, d, dtype, {"causal": args.causal}, 0)
             q, k, v, dout = case.inputs()
+            # the oracle (float64 NumPy, twice for 16-bit: exact and same-precision) is checked on one
+            # batch of two heads of the same N, d and options: at B = 4, H = 8 it was most of a run's time
+            check = fuzz.Case(1, min(H, 2), min(H, 2), N, N, d, dtype, {"causal": args.causal}, 0)
             try:
                 bound.check(make_problem(q, k, v, causal=args.causal), "backward" if args.backward else "forward")
             except ValueError as e:
                 rows.append((name, dtype, "unsupported", "-", "-", str(e)[:60])); continue
-            verdicts = fuzz.check_case(bound, case, "backward" if args.backward else "forward")
+            verdicts = fuzz.check_case(bound, check, "backward" if args.backward else "forward")
             ok = all(v.ok for v in verdicts)
             worst = max(verdicts, key=lambda v: v.err / max(v.tol, 1e-30))
             if not ok:
@@ -205,7 +208,7 @@ def cmd_run(args):
                          f"{tflops(flops, t.median_ms):.2f}", t.clock))
             records.append({"variant": f"sdpa-{be}", "dtype": "float16", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
     print()
-    print(_table(("variant", "dtype", "check vs oracle", "median ms", "TFLOP/s", "clock"), rows))
+    print(_table(("variant", "dtype", "check vs oracle (B=1, H<=2)", "median ms", "TFLOP/s", "clock"), rows))
     if args.json:
         _write_json(args.json, {"mode": _mode_line(), "B": B, "H": H, "N": N, "d": d, "causal": args.causal,
                                 "rows": records})
