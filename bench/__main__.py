@@ -11,18 +11,9 @@ import time
 from pathlib import Path
 
 from . import FAMILIES, family, plan, run_family, selection, session
+from sandbox.cli import positive_int
+
 from .common import UsageError, missing_for_gpu_families, parse_variant
-
-
-def _positive_int(text: str) -> int:
-    """argparse type for --reps: an int >= 1 (the median of no repetition is no figure)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,11 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     for name in FAMILIES:
         s = sub.add_parser(name, help=(family(name).__doc__ or "").splitlines()[0])
         family(name).add_arguments(s)
-        s.add_argument("--reps", type=_positive_int, default=10, help="timed repetitions (median reported)")
+        s.add_argument("--reps", type=positive_int, default=10, help="timed repetitions (median reported)")
         s.add_argument("--out", default="out")
     s = sub.add_parser("all", help="every family with its defaults, one after another")
     s.add_argument("--families", default=",".join(FAMILIES))
-    s.add_argument("--reps", type=_positive_int, default=10)
+    s.add_argument("--reps", type=positive_int, default=10)
     s.add_argument("--out", default="out")
     s = sub.add_parser("plot", help="a PNG beside every family JSON in a folder (needs matplotlib)")
     s.add_argument("folder")

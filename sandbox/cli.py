@@ -43,7 +43,7 @@ class UsageError(Exception):
     cannot run): main() prints it as one `error: ...` line and exits 2, without a traceback."""
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (a problem dimension, a repetition or example count)."""
     try:
         n = int(text)
@@ -270,18 +270,18 @@ def main(argv=None):
     s = sub.add_parser("run", help="check and time variants on one problem")
     s.add_argument("--variants", help="comma-separated names (default: all)")
     for k in GPU_PROBLEM:
-        s.add_argument(f"--{k}", type=_positive_int,
+        s.add_argument(f"--{k}", type=positive_int,
                        help=f"default {GPU_PROBLEM[k]} on a GPU, {SIMULATOR_PROBLEM[k]} in the CUDA simulator")
     s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--causal", action="store_true")
     s.add_argument("--backward", action="store_true", help="also check the backward before timing")
-    s.add_argument("--reps", type=_positive_int, default=20)
+    s.add_argument("--reps", type=positive_int, default=20)
     s.add_argument("--no-baselines", action="store_true")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_run)
     s = sub.add_parser("fuzz", help="Hypothesis against the oracle")
     s.add_argument("--variants")
-    s.add_argument("--examples", type=_positive_int, default=100)
+    s.add_argument("--examples", type=positive_int, default=100)
     s.add_argument("--dtype", choices=("float32", "float16", "bfloat16"))
     s.add_argument("--direction", choices=("forward", "backward", "both"), default="both")
     s.add_argument("--derandomize", action="store_true")
