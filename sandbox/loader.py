@@ -1,11 +1,19 @@
-"""Build CUDA sources from kernels_cu/: at run time through cupy.RawModule (NVRTC), or compile-only
-through cuda.bindings.nvrtc (no GPU needed) with a register / spill / shared-memory report.
+"""Build CUDA sources from kernels_cu/ with NVRTC, cache the builds on disk, load them with CuPy.
 
 - Sources are read as package data and their local `#include "x.cuh"` lines are inlined, so the
-  text that is compiled (and that CuPy's on-disk cache is keyed by) is the whole program.
-- Templates are instantiated through `name_expressions`: a variant's config object produces the
-  exact names (e.g. "standard_softmax<__half>").
-- One module per (source, options, name expressions), built lazily and cached.
+  text that is compiled (and that the disk cache is keyed by) is the whole program.
+- Templates are instantiated through name expressions: a variant's config object produces the
+  exact names (e.g. "standard_softmax<__half>"); `get_kernel` takes them, the lowered (mangled)
+  names stay inside this module.
+- `build(unit, arch)`: one NVRTC compilation through cuda.bindings (no GPU needed) to a CUBIN, with
+  ptxas's register / spill / shared-memory report in its log, stored in the disk cache
+  (sandbox/kernel_cache.py: $SANDBOX_CACHE_DIR, else ~/.cache/fa-sandbox). `prebuild` / `build_many`
+  build many in threads; `compile_only` reports from a build (the compile report's path).
+- Run time: one module per (source, options, name expressions) and device, built for the device's
+  architecture by `build` (read from the cache when any process built it before) and loaded from
+  its CUBIN with cupy.RawModule(path=...). SANDBOX_CACHE_DIR=off goes back to
+  cupy.RawModule(code=..., name_expressions=...) (CuPy's NVRTC, no disk cache of ours), as does a
+  machine without NVRTC through cuda.bindings.
 - Dynamic shared memory above 48 KB is enabled per kernel before its first launch.
 """
 from __future__ import annotations
@@ -14,11 +22,18 @@ import functools
 import os
 import re
 import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from . import kernel_cache
 
 BASE_OPTIONS = ("-std=c++17",)
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -60,13 +75,111 @@ def source_text(name: str) -> str:
     return expand(name)
 
 
-# ---- run time (CuPy)
+# ---- run time: NVRTC (cuda.bindings) to a CUBIN for the device, cached on disk, loaded by CuPy
+
+_MODULES: dict = {}
+_warned_fallback: set = set()
+
+
+def _module(source: str, options: tuple, names: tuple):
+    """The module holding `names` on the current device: with the disk cache on (the default), built
+    by `build` for the device's architecture (or read from the cache) and loaded from its CUBIN;
+    with SANDBOX_CACHE_DIR=off, or where NVRTC cannot be loaded through cuda.bindings, a
+    cupy.RawModule compiled by CuPy's NVRTC (the previous path). Either way `.get_function(name)`
+    takes a name expression."""
+    import cupy
+    mode = "cubin" if kernel_cache.enabled() and _nvrtc_usable() else "cupy"
+    key = (source, options, names, mode, cupy.cuda.runtime.getDevice() if mode == "cubin" else None)
+    module = _MODULES.get(key)
+    if module is None:
+        if mode == "cubin":
+            module = _cubin_module(source, options, names, _device_arch(key[-1]))
+        else:
+            module = _cupy_module(source, options, names)
+        _MODULES[key] = module
+    return module
+
 
 @functools.lru_cache(maxsize=None)
-def _module(source: str, options: tuple, names: tuple):
+def _cupy_module(source: str, options: tuple, names: tuple):
     import cupy
     return cupy.RawModule(code=source_text(source), options=BASE_OPTIONS + options,
                           name_expressions=list(names))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: int) -> str:
+    """'sm_90' for compute capability 9.0. A kernel that needs the architecture-specific features of
+    sm_90a would build for "sm_90a": `build` takes the architecture string as given."""
+    import cupy
+    return f"sm_{cupy.cuda.Device(device).compute_capability}"
+
+
+class _CubinModule:
+    """A CUBIN built by `build`, loaded through cupy.RawModule(path=...): kernels by name expression
+    (looked up by their lowered names), each RawKernel made once."""
+
+    def __init__(self, raw, lowered: dict, path: str):
+        self.raw, self.lowered, self.path, self.kernels = raw, lowered, path, {}
+
+    def get_function(self, name: str):
+        kernel = self.kernels.get(name)
+        if kernel is None:
+            kernel = self.kernels[name] = self.raw.get_function(self.lowered[name])
+        return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _cubin_module(source: str, options: tuple, names: tuple, arch: str):
+    """The CUBIN path, or CuPy's where it fails: a build that NVRTC through cuda.bindings refuses
+    (a genuine compile error then fails again, in CuPy's words) or a CUBIN the driver refuses to
+    load. Either way with a warning, once per source: the kernels are the same."""
+    import cupy
+    try:
+        b = build(CompileUnit(source, names, options), arch)
+    except RuntimeError as e:
+        return _fall_back(source, options, names, f"NVRTC through cuda.bindings failed for {arch}: {e}")
+    path = str(b.path) if b.path is not None else _temp_cubin(b.cubin)
+    module = _CubinModule(cupy.RawModule(path=path), b.lowered, path)
+    try:
+        for name in names:               # load now: a CUBIN the driver refuses shows here, not at a launch
+            module.get_function(name)
+    except cupy.cuda.driver.CUDADriverError as e:
+        return _fall_back(source, options, names, f"the CUDA driver did not load the NVRTC {b.nvrtc} CUBIN "
+                                                  f"for {arch} ({e})")
+    return module
+
+
+def _fall_back(source: str, options: tuple, names: tuple, why: str):
+    if source not in _warned_fallback:
+        _warned_fallback.add(source)
+        warnings.warn(f"{source}: {why[:2000]}; compiling it with CuPy's NVRTC instead (SANDBOX_CACHE_DIR=off "
+                      "always does)", RuntimeWarning, stacklevel=4)
+    return _cupy_module(source, options, names)
+
+
+def _temp_cubin(cubin: bytes) -> str:
+    """A CUBIN that the cache could not store, in a temporary file for cuModuleLoad (removed at exit)."""
+    import atexit
+    fd, path = tempfile.mkstemp(suffix=".cubin", prefix="fa-sandbox-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cubin)
+    atexit.register(lambda: os.path.exists(path) and os.unlink(path))
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _nvrtc_usable() -> bool:
+    """NVRTC through cuda.bindings loads (the `compile` extra, or a CUDA toolkit it finds); else the
+    run-time path falls back to CuPy's NVRTC, with a warning."""
+    try:
+        _nvrtc_version()
+        return True
+    except Exception as e:            # ImportError, or the library not found / not loadable
+        warnings.warn(f"NVRTC through cuda.bindings is not usable ({type(e).__name__}: {e}); kernels are "
+                      "compiled by CuPy without the sandbox's disk cache (pip install .[compile] for it)",
+                      RuntimeWarning, stacklevel=3)
+        return False
 
 
 def get_kernel(unit: CompileUnit, name: str):
@@ -155,7 +268,7 @@ class PackedLaunch:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
 
 
-# ---- compile only (no GPU): NVRTC through cuda.bindings
+# ---- NVRTC builds through cuda.bindings (no GPU needed): CUBIN, lowered names, ptxas log
 
 def cuda_include_dirs() -> list[str]:
     """Directories holding cuda_fp16.h and friends, for NVRTC without CuPy."""
@@ -192,44 +305,164 @@ _PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
 
-def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
-    """Compile `unit` for `arch` with NVRTC (no driver needed); one report per name expression."""
+def build_options(unit: CompileUnit) -> list[str]:
+    """NVRTC options of a build (the architecture apart): the unit's, `-Xptxas=-v` for the
+    register / spill / shared-memory report (no effect on the code), and the CUDA include folder."""
+    opts = [*BASE_OPTIONS, *unit.options, "-Xptxas=-v"]
+    return opts + [inc for inc in (f"-I{d}" for d in cuda_include_dirs()) if inc not in opts]
+
+
+_count_lock = threading.Lock()
+NVRTC_BUILDS = 0          # NVRTC compilations run by this process (the tests count cache hits by it)
+
+
+def build(unit: CompileUnit, arch: str = "sm_90", *, refresh: bool = False) -> kernel_cache.Build:
+    """`unit` compiled by NVRTC for `arch`, a real architecture ("sm_90", "sm_90a", ...): the CUBIN,
+    name expression -> lowered name, and the log with ptxas's report. Read from the disk cache
+    (sandbox/kernel_cache.py) where it holds this build, else compiled and stored there;
+    `refresh` compiles even on a hit. No GPU or driver is needed."""
+    text, opts, names, version, k = _build_key(unit, arch)
+    if not refresh:
+        hit = kernel_cache.load(k, names)
+        if hit is not None:
+            return hit
+    with kernel_cache.building(k):
+        if not refresh:
+            hit = kernel_cache.load(k, names)        # built by another process while this one waited
+            if hit is not None:
+                return hit
+        cubin, lowered, log = _nvrtc_build(unit.source, text, opts, names, arch)
+        return kernel_cache.store(kernel_cache.Build(cubin, lowered, log, arch, version, k))
+
+
+def cached_build(unit: CompileUnit, arch: str = "sm_90") -> kernel_cache.Build | None:
+    """The stored build of `unit` for `arch`, or None (nothing is compiled)."""
+    _, _, names, _, k = _build_key(unit, arch)
+    return kernel_cache.load(k, names)
+
+
+def _build_key(unit: CompileUnit, arch: str) -> tuple:
+    text = source_text(unit.source)
+    opts = build_options(unit)
+    names = tuple(unit.names)
+    version = _nvrtc_version()
+    return text, opts, names, version, kernel_cache.key(text, opts, names, arch, version)
+
+
+def _nvrtc_build(source: str, text: str, opts: list, names: tuple, arch: str) -> tuple[bytes, dict, str]:
+    """One NVRTC compilation (it releases the GIL: builds in threads run in parallel)."""
+    global NVRTC_BUILDS
     from cuda.bindings import nvrtc
 
     def check(result, what):
         err = result[0]
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{what}: {err}")
+            raise RuntimeError(f"{what} ({source}, {arch}): {err}")
         return result[1:] if len(result) > 1 else None
 
-    (prog,) = check(nvrtc.nvrtcCreateProgram(source_text(unit.source).encode(), unit.source.encode(), 0, [], []),
-                    "nvrtcCreateProgram")
+    with _count_lock:
+        NVRTC_BUILDS += 1
+    (prog,) = check(nvrtc.nvrtcCreateProgram(text.encode(), source.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
-        for name in unit.names:
+        for name in names:
             check(nvrtc.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
-        opts = [*BASE_OPTIONS, *unit.options, f"-arch={arch}", "-Xptxas=-v"]
-        opts += [f"-I{d}" for d in cuda_include_dirs()]
-        result = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        full = [*opts, f"-arch={arch}"]
+        result = nvrtc.nvrtcCompileProgram(prog, len(full), [o.encode() for o in full])
         (size,) = check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        # a mutable buffer: NVRTC writes into it (writing into a bytes object, as before, mutates an
-        # immutable value, and for sizes 0 and 1 CPython's shared singletons)
+        # mutable buffers: NVRTC writes into them (writing into a bytes object mutates an immutable
+        # value, and for sizes 0 and 1 CPython's shared singletons)
         buf = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, buf)
         log = bytes(buf).rstrip(b"\0").decode(errors="replace")
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC failed to compile {unit.source} for {arch}:\n{log}")
+            raise RuntimeError(f"NVRTC failed to compile {source} for {arch}:\n{log}")
         lowered = {}
-        for name in unit.names:
+        for name in names:
             (low,) = check(nvrtc.nvrtcGetLoweredName(prog, name.encode()), "lowered name")
-            lowered[low.decode()] = name
+            lowered[name] = low.decode()
+        (size,) = check(nvrtc.nvrtcGetCUBINSize(prog), "CUBIN size")
+        cubin = bytearray(size)
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "CUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return _parse_ptxas(log, lowered, unit, arch)
+    return bytes(cubin), lowered, log
 
 
+def build_many(jobs, workers: int | None = None, progress=None) -> list[kernel_cache.Build]:
+    """Build (unit, arch) jobs in a thread pool (`workers`, default one per CPU core) and fill the
+    cache; identical jobs (source, options, names, arch) build once. One Build per job, in order.
+    progress(i, n, unit, arch, build, seconds since the start) is called as each distinct job ends
+    (build None where it failed). Every job runs; failures are raised together at the end."""
+    jobs = [(u, a) for u, a in jobs]
+    distinct: dict = {}
+    for u, a in jobs:
+        distinct.setdefault(_identity(u, a), (u, a))
+    n, start, done = len(distinct), time.perf_counter(), 0
+    results, errors = {}, []
+
+    def finished(ident, b):
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, n, *distinct[ident], b, time.perf_counter() - start)
+
+    for ident, (u, a) in distinct.items():          # the cache's answers first, without the pool
+        b = cached_build(u, a)
+        if b is not None:
+            results[ident] = b
+            finished(ident, b)
+    missing = [ident for ident in distinct if ident not in results]
+    if missing:
+        workers = max(1, min(workers or os.cpu_count() or 1, len(missing)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {pool.submit(build, *distinct[ident]): ident for ident in missing}
+            for future in as_completed(futures):
+                ident = futures[future]
+                try:
+                    results[ident] = future.result()
+                except Exception as e:          # noqa: BLE001 (collected, raised below)
+                    u, a = distinct[ident]
+                    errors.append(f"{u.label or u.source} for {a}: {e}")
+                finished(ident, results.get(ident))
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {n} builds failed:\n" + "\n\n".join(errors))
+    return [results[_identity(u, a)] for u, a in jobs]
+
+
+def prebuild(units, arch: str = "sm_90", workers: int | None = None, progress=None) -> list[kernel_cache.Build]:
+    """Build independent units for `arch` in parallel (see build_many) and fill the disk cache, so
+    that later get_kernel / compile_only calls read it. One Build per unit, in order."""
+    return build_many([(u, arch) for u in units], workers, progress)
+
+
+def _identity(unit: CompileUnit, arch: str) -> tuple:
+    return unit.source, tuple(unit.options), tuple(sorted(unit.names)), arch
+
+
+def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:
+    """Compile `unit` for `arch` with NVRTC (no driver needed), through the disk cache; one report
+    per name expression."""
+    return reports(unit, build(unit, arch))
+
+
+def reports(unit: CompileUnit, b: kernel_cache.Build) -> list[KernelReport]:
+    """ptxas's report of each name of `unit` from its build's log. A cached build whose log lacks it
+    (stored by a run-time build in a process where NVRTC returned an empty log) is rebuilt once."""
+    try:
+        return _parse_ptxas(b.log, {b.lowered[n]: n for n in unit.names}, unit, b.arch)
+    except RuntimeError:
+        if not b.cached:
+            raise
+    b = build(unit, b.arch, refresh=True)
+    return _parse_ptxas(b.log, {b.lowered[n]: n for n in unit.names}, unit, b.arch)
+
+
+@functools.lru_cache(maxsize=None)
 def _nvrtc_version() -> str:
     from cuda.bindings import nvrtc
-    _, major, minor = nvrtc.nvrtcVersion()
+    err, major, minor = nvrtc.nvrtcVersion()
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"nvrtcVersion: {err}")
     return f"{major}.{minor}"
 
 
@@ -258,7 +491,3 @@ def _parse_ptxas(log: str, lowered: dict, unit: CompileUnit, arch: str) -> list[
                                     int(unit.dynamic_smem.get(name, 0))))
     return reports
 
-
-def as_scalar(value, ctype):
-    """Typed kernel scalar (name the C type: 'int', 'float', 'u64', 'u32')."""
-    return {"int": np.int32, "float": np.float32, "u64": np.uint64, "u32": np.uint32}[ctype](value)

@@ -43,7 +43,8 @@ class FA1TensorCore(FA2TensorCore):
     name = "fa1-tc"
     has_backward = False
     # no spills at D = 64 and 128 (Br=64 with 4 warps spills 88 bytes at D = 128 with dropout)
-    TUNED = {(128, 64, 8, "auto")}
+    # keys as FA2TensorCore.tuned compares them: (block_r, block_c, warps, min_blocks, split)
+    TUNED = {(128, 64, 8, "auto", "q")}
 
     # FA2TensorCore's pointer-level plans launch fa2_tc's grid without fa1's O / m / l scratch: not
     # for this kernel, which takes the generic path (sandbox/fastpath.py)

@@ -41,7 +41,8 @@ class NaiveConfig(TCConfig):
 class FA2TensorCoreNaive(FA2TensorCore):
     name = "fa2-tc-naive"
     has_backward = False
-    TUNED = {(64, 64, 4, "auto")}
+    # keys as FA2TensorCore.tuned compares them: (block_r, block_c, warps, min_blocks, split)
+    TUNED = {(64, 64, 4, "auto", "q")}
 
     def configure(self, block_r=64, block_c=64, warps=4, philox_rounds=10):
         return NaiveConfig(block_r, block_c, warps, "auto", philox_rounds)
