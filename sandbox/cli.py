@@ -142,8 +142,10 @@ def _prebuild(bounds):
     """Build every module the chosen CUDA variants can launch, in parallel threads, into the disk
     cache before the first check: a cold start compiles once per core instead of one module after
     another, and a warm one reads every CUBIN from the cache (sandbox/loader.py)."""
-    from . import loader
+    from . import kernel_cache, loader
     from .device import arch
+    if not kernel_cache.enabled():       # SANDBOX_CACHE_DIR=off: CuPy compiles each module itself
+        return
     units = [u for b in bounds if b.variant.backend == "cuda" for u in b.variant.impl.compile_units(b.config)]
     if not units:
         return

@@ -35,6 +35,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 
 def pytest_collection_modifyitems(config, items):
+    # the compile report starts in the background when test_compile.py is collected: its tests last,
+    # so the NVRTC builds overlap the whole suite (stable sort: the order is otherwise unchanged)
+    items.sort(key=lambda item: item.path.name == "test_compile.py")
     if cupy_or_none() is not None:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy (run `pytest -m gpu` on a GPU machine)")
