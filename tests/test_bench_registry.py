@@ -19,22 +19,13 @@ from sandbox import registry
 from sandbox.device import has_gpu
 from sandbox.registry import Capabilities, Param, Variant
 
-ROOT = Path(__file__).resolve().parents[1]
+from cli_helpers import ROOT, one_error_line
+from cli_helpers import cli as run_cli
 GPU_BACKENDS = ("cuda", "numba")
 
 
 def cli(*args, cwd=ROOT):
-    r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=300,
-                       cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "Traceback" not in r.stderr, r.stderr
-    return r
-
-
-def one_error_line(r) -> str:
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
+    return run_cli(*args, module="bench", cwd=cwd, timeout=300)
 
 
 # --- bench/*.py names no variant -----------------------------------------------------------------

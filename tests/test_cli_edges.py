@@ -5,33 +5,14 @@ folder with nothing in it) is one `error: ...` line on stderr, no traceback, exi
 no-GPU assertions are skipped on a GPU machine; everything here stays on tiny problems.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from bench import FAMILIES
+from cli_helpers import cli, one_error_line
 from sandbox.device import has_gpu
 
-ROOT = Path(__file__).resolve().parents[1]
 no_gpu_only = pytest.mark.skipif(has_gpu(), reason="checks what a machine without a GPU says")
-
-
-def cli(*args, module="sandbox", cwd=ROOT):
-    r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
-                       cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "Traceback" not in r.stderr, r.stderr
-    return r
-
-
-def one_error_line(r) -> str:
-    """The single line a user error leaves on stderr."""
-    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    return lines[0]
 
 
 # --- python -m sandbox -------------------------------------------------------------------------
