@@ -18,7 +18,7 @@ import json
 import sys
 import time
 
-from . import api, fuzz, oracle, tolerance
+from . import api, fuzz
 from .device import cupy_or_none, device_name, has_gpu
 from .problem import make_problem
 from .registry import all_variants, get_variant, parse_spec, variants
@@ -164,8 +164,8 @@ def _prebuild(bounds):
 
 def cmd_run(args):
     from .timing import time_fn, tflops
-    import numpy as np
     gpu = has_gpu()
+    start = time.perf_counter()
     chosen = _chosen(args.variants)
     B, H, N, d = _problem_dims(args, gpu)
     print(_mode_line(), flush=True)
@@ -192,13 +192,15 @@ def cmd_run(args):
                 rows.append((name, dtype, f"FAIL ({worst})", "-", "-", "not timed")); continue
             xs = [bound.variant.impl.to_backend(x) for x in (q, k, v)]
             fn = lambda: api.forward(*xs, variant=bound, causal=args.causal)  # noqa: E731
-            print(f"  timing {name} [{dtype}] ...", file=sys.stderr, flush=True)
+            print(f"  [{time.perf_counter() - start:5.1f} s] checked, timing {name} [{dtype}] ...",
+                  file=sys.stderr, flush=True)
             t = time_fn(fn, reps=args.reps)
             flops = make_problem(q, k, v, causal=args.causal).flops("forward")
             rows.append((name, dtype, f"ok ({worst.name} err {worst.err:.2g} <= {worst.tol:.2g})",
                          f"{t.median_ms:.3f}", f"{tflops(flops, t.median_ms):.2f}" if gpu else "-", t.clock))
             records.append({"variant": name, "dtype": dtype, "ms": t.median_ms, "tflops": tflops(flops, t.median_ms)})
     if gpu and not args.no_baselines:
+        print(f"  [{time.perf_counter() - start:5.1f} s] timing the SDPA baselines ...", file=sys.stderr, flush=True)
         from . import baselines
         for be in baselines.SDPA_BACKENDS:
             fn = baselines.sdpa(be, B, H, N, N, d, "float16", args.causal)

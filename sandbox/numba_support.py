@@ -6,6 +6,8 @@ Import `cuda` from here, never `numba.cuda` directly, so that both choices are m
 - numba-cuda 0.30.4 registers an overload for `np.row_stack`, which NumPy 2.5 removed; the first
   compile then fails with AttributeError. `np.row_stack` was an alias of `np.vstack`, so the shim
   restores that alias when it is missing (and only then).
+- Kernels are declared with `kernel` (below): `cuda.jit` with Numba's disk cache in the module
+  cache's folder (SANDBOX_CACHE_DIR, sandbox/kernel_cache.py), off when that cache is off.
 - Without a GPU, NUMBA_ENABLE_CUDASIM=1 is set (unless the user chose) before numba.cuda is
   imported, so the Numba variants run under the CUDA simulator on the CPU. `SIMULATOR` says which.
 """
@@ -25,6 +27,14 @@ if not hasattr(np, "row_stack"):          # NumPy >= 2.5 removed this alias of v
 if "NUMBA_ENABLE_CUDASIM" not in os.environ and not has_gpu():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
+from . import kernel_cache  # noqa: E402
+
+# Numba's own disk cache (compiled kernels keyed by bytecode, closure constants and signature) lives
+# beside the CUBIN cache, so a second process skips the Numba JIT as it skips NVRTC; off with it.
+NUMBA_CACHE = kernel_cache.enabled() and kernel_cache.cache_dir() is not None
+if NUMBA_CACHE and "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = str(kernel_cache.cache_dir() / "numba")
+
 import numba  # noqa: E402
 
 numba.core.config.reload_config()
@@ -35,6 +45,11 @@ SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 M0, M1 = 0xD2511F53, 0xCD9E8D57        # Philox round multipliers (sandbox/philox.py)
 W0, W1 = 0x9E3779B9, 0xBB67AE85        # Weyl key increments
 U32 = 0xFFFFFFFF
+
+
+def kernel(fn):
+    """`cuda.jit` for a variant's kernel, cached on disk where the module cache is on."""
+    return cuda.jit(cache=NUMBA_CACHE)(fn)
 
 
 def to_backend(x, name="array"):

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from . import numba_support as nb
 from .numba_support import cuda
 
 THREADS = 128
@@ -35,7 +36,7 @@ def kernel(algorithm: str):
         cuda.syncthreads()
         return out
 
-    @cuda.jit
+    @nb.kernel
     def naive(x, y):
         row, t = cuda.blockIdx.x, cuda.threadIdx.x
         buf = cuda.shared.array(T, np.float32)
@@ -47,7 +48,7 @@ def kernel(algorithm: str):
         for j in range(t, n, T):
             y[row, j] = math.exp(x[row, j]) / d
 
-    @cuda.jit
+    @nb.kernel
     def safe(x, y):
         row, t = cuda.blockIdx.x, cuda.threadIdx.x
         buf = cuda.shared.array(T, np.float32)
@@ -63,7 +64,7 @@ def kernel(algorithm: str):
         for j in range(t, n, T):
             y[row, j] = math.exp(x[row, j] - m) / d
 
-    @cuda.jit
+    @nb.kernel
     def online(x, y):
         row, t = cuda.blockIdx.x, cuda.threadIdx.x
         bm = cuda.shared.array(T, np.float32)

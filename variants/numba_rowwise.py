@@ -58,7 +58,7 @@ def make_mask_helpers(rounds: int):
 def forward_kernel(D: int, rounds: int):
     visible, keep_factor = make_mask_helpers(rounds)
 
-    @cuda.jit
+    @nb.kernel
     def fwd(q, k, v, out, lse, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
             threshold, inv_keep, seed_lo, seed_hi, offset):
         # q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D], out [B, Hq, Nq, D], lse [B, Hq, Nq]
@@ -107,7 +107,7 @@ def forward_kernel(D: int, rounds: int):
 def backward_kernels(D: int, rounds: int):
     visible, keep_factor = make_mask_helpers(rounds)
 
-    @cuda.jit
+    @nb.kernel
     def dq_kernel(q, k, v, out, dout, lse, dq, Dbuf, scale, group, band_lo, band_hi, layout,
                   layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
         # one thread per query row: D_i = dO_i . O_i, dQ_i = scale * sum_j dS_ij K_j
@@ -144,7 +144,7 @@ def backward_kernels(D: int, rounds: int):
         for c in range(D):
             dq[b, h, i, c] = acc[c] * scale
 
-    @cuda.jit
+    @nb.kernel
     def dkdv_kernel(q, k, v, dout, lse, Dbuf, dk, dv, scale, group, band_lo, band_hi, layout,
                     layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
         # one thread per key row of a K/V head: sums over the query heads of its group

@@ -58,7 +58,7 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
     LD, LDS = D + 1, BC + 1
     NS, NO = -(-BR * BC // THREADS), -(-BR * D // THREADS)     # scores / outputs per thread
 
-    @cuda.jit
+    @nb.kernel
     def fwd(q, k, v, out, lse, tiles, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
             threshold, inv_keep, seed_lo, seed_hi, offset):
         sQ = cuda.shared.array((BR, LD), np.float32)
@@ -157,7 +157,7 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
     LD, LDS = D + 1, BC + 1
     NS = -(-BR * BC // THREADS)
 
-    @cuda.jit
+    @nb.kernel
     def fwd(q, k, v, out, M, L, lse, tiles, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
             threshold, inv_keep, seed_lo, seed_hi, offset):
         # out zeroed, M = -inf, L = 0 on entry; one block per (batch, head)
@@ -250,7 +250,7 @@ def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
     LD, LDS = D + 1, BC + 1
     NS, NKV = -(-BR * BC // THREADS), -(-BC * D // THREADS)
 
-    @cuda.jit
+    @nb.kernel
     def preprocess(dout, out, Dv):
         # D_i = dO_i . O_i, one thread per row
         t = cuda.grid(1)
@@ -263,7 +263,7 @@ def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                 a += dout[b, h, i, x] * out[b, h, i, x]
             Dv[b, h, i] = a
 
-    @cuda.jit
+    @nb.kernel
     def dkdv(q, k, v, dout, lse, Dv, dq, dk, dv, tiles, scale, group, band_lo, band_hi, layout,
              layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
         # dq zeroed on entry; one block per (K/V tile, batch * K/V head)
