@@ -167,14 +167,15 @@ def step_blocks(q_chunks: tuple, kv_chunks: tuple, causal: bool) -> tuple[Block,
 # ---- log-sum-exp merge of partial results
 
 def _merge_(out_acc, lse_acc, out_part, lse_part) -> None:
-    """Merge one partial (out, lse) over some keys into float32 accumulators, in place:
+    """Merge one partial (out, lse) over some keys into the accumulators (float32 in the ring), in place:
     lse = logaddexp(lse_acc, lse_part), out = exp(lse_acc - lse) out_acc + exp(lse_part - lse) out_part.
     A row that has seen no key yet has lse -inf and weight 0 (never exp(-inf - -inf) = NaN)."""
+    lse_part = lse_part.to(lse_acc.dtype)
     lse_new = torch.logaddexp(lse_acc, lse_part)
     ref = torch.where(torch.isfinite(lse_new), lse_new, torch.zeros_like(lse_new))
     w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
-    w_part = torch.exp(lse_part.float() - ref).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(w_part * out_part.float())
+    w_part = torch.exp(lse_part - ref).unsqueeze(-1)
+    out_acc.mul_(w_acc).add_(w_part * out_part.to(out_acc.dtype))
     lse_acc.copy_(lse_new)
 
 
