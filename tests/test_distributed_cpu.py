@@ -265,3 +265,17 @@ def test_argument_errors_come_first(fn, change, err, match):
 def test_without_a_process_group_the_error_says_so():
     with pytest.raises(RuntimeError, match="not initialized"):
         sd.ring_attention(*_qkv(), variant="numba-rowwise")
+
+
+# ---- the two-GPU benchmark's command line (it runs on GPUs; here only what needs none)
+
+def test_benchmark_help_and_the_torchrun_hint():
+    import subprocess
+    import sys
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    helped = subprocess.run([sys.executable, "-m", "bench.context_parallel", "--help"], capture_output=True, text=True,
+                            env=env)
+    assert helped.returncode == 0 and "--seqlens" in helped.stdout and "hidden" in helped.stdout, helped.stderr
+    bare = subprocess.run([sys.executable, "-m", "bench.context_parallel", "--out", "unused"], capture_output=True,
+                          text=True, env=env)
+    assert bare.returncode != 0 and "run under torchrun" in bare.stderr
