@@ -337,7 +337,8 @@ def _ring_backward(dout, q, k, v, out, lse, cfg: _Config, ring):
             dq[:, :, rows].add_(dq_b)
             dkv[0][:, :, cols].add_(dk_b)
             dkv[1][:, :, cols].add_(dv_b)
-        dkv_pending = ring.shift(dkv, _DKV_TAG)      # after `world` shifts it is back with its owner
+        # after `world` shifts it is back with its owner (one rank: it is home already)
+        dkv_pending = ring.shift(dkv, _DKV_TAG) if ring.world > 1 else _Pending([], dkv, None)
         if kv_pending is not None:
             kv = kv_pending.wait()
     dkv = dkv_pending.wait()

@@ -269,13 +269,39 @@ def test_without_a_process_group_the_error_says_so():
 
 # ---- the two-GPU benchmark's command line (it runs on GPUs; here only what needs none)
 
-def test_benchmark_help_and_the_torchrun_hint():
+def test_benchmark_help_and_the_torchrun_hint(monkeypatch):
     import subprocess
     import sys
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    helped = subprocess.run([sys.executable, "-m", "bench.context_parallel", "--help"], capture_output=True, text=True,
-                            env=env)
+    from bench import context_parallel
+    helped = subprocess.run([sys.executable, "-m", "bench.context_parallel", "--help"], capture_output=True, text=True)
     assert helped.returncode == 0 and "--seqlens" in helped.stdout and "hidden" in helped.stdout, helped.stderr
-    bare = subprocess.run([sys.executable, "-m", "bench.context_parallel", "--out", "unused"], capture_output=True,
-                          text=True, env=env)
-    assert bare.returncode != 0 and "run under torchrun" in bare.stderr
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match="run under torchrun"):
+        context_parallel.main(["--out", "unused"])
+
+
+class _NoHops:
+    """A one-rank ring that fails if asked to transfer: with one rank nothing may be sent."""
+
+    world, rank = 1, 0
+
+    def shift(self, tensor, tag):
+        raise AssertionError("a one-rank ring sent a message")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_rank_ring_is_plain_attention_without_messages(causal):
+    rng = np.random.default_rng(3)
+    q, dout = (rng.standard_normal((1, 4, 6, 8)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 6, 8)) for _ in range(2))
+    t = [torch.from_numpy(x).float() for x in (q, k, v, dout)]
+    cfg = sd._Config(None, 1, 0, sandbox.get_variant("numba-rowwise"), causal, 1 / math.sqrt(8),
+                     "zigzag" if causal else "contiguous")
+    out, lse = sd._ring_forward(*t[:3], cfg, _NoHops())
+    grads = sd._ring_backward(t[3], *t[:3], out, lse, cfg, _NoHops())
+    terms = oracle.term_bounds(dout, q, k, v, causal=causal)
+    refs = (oracle.forward(q, k, v, causal=causal)[0], *oracle.backward(dout, q, k, v, causal=causal))
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, *grads), refs):
+        verdict = tolerance.compare(name, got.numpy(), ref, "float32", terms=terms[name])
+        assert verdict.ok, str(verdict)
