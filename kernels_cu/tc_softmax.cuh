@@ -78,19 +78,21 @@ __device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int
         }
 }
 
-// The online softmax update for a tile whose raw row max is mx: new row max m (log2 units),
-// P = 2^(s scale_log2 - m) in place, l and O rescaled by 2^(m_old - m). l holds this lane's partial
-// row sums (quad-reduced in the epilogue).
-template <int MT, int NT, int ND>
-__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
-                                               float (&o)[MT][ND][4], const float (&mx)[MT][2], float scale_log2) {
+// The online softmax update of the scores alone, for a tile whose raw row max is mx: new row max m
+// (log2 units), P = 2^(s scale_log2 - m) in place, l rescaled and added to, and the factor
+// corr = 2^(m_old - m) that O must be rescaled by (rescale_rows) before this tile's P V is added.
+// Apart from softmax_update so that a kernel can rescale O later, once an O += P V in flight
+// has completed (fa3_ws.cu's intra-warpgroup overlap). l holds this lane's partial row sums.
+template <int MT, int NT>
+__device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                               const float (&mx)[MT][2], float scale_log2, float (&corr)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
             const float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
-            const float corr = exp2_ftz(m[mt][hr] - m_use);
+            corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < NT; ++n)
@@ -100,14 +102,32 @@ __device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)
                     s[mt][n][e] = p;
                     sum += p;
                 }
-            l[mt][hr] = l[mt][hr] * corr + sum;
+            l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
             m[mt][hr] = m_new;
-#pragma unroll
-            for (int n = 0; n < ND; ++n) {
-                o[mt][n][2 * hr] *= corr;
-                o[mt][n][2 * hr + 1] *= corr;
-            }
         }
+}
+
+// O's rows times their rescale factor.
+template <int MT, int ND>
+__device__ __forceinline__ void rescale_rows(float (&o)[MT][ND][4], const float (&corr)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            o[mt][n][0] *= corr[mt][0];
+            o[mt][n][1] *= corr[mt][0];
+            o[mt][n][2] *= corr[mt][1];
+            o[mt][n][3] *= corr[mt][1];
+        }
+}
+
+// The online softmax update for a tile whose raw row max is mx: the scores' update, then O rescaled.
+template <int MT, int NT, int ND>
+__device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                               float (&o)[MT][ND][4], const float (&mx)[MT][2], float scale_log2) {
+    float corr[MT][2];
+    softmax_scores(s, m, l, mx, scale_log2, corr);
+    rescale_rows(o, corr);
 }
 
 // Online softmax on raw scores (FA2 Algorithm 1, lines 9-10): the row max of this tile, then the update.

@@ -59,10 +59,13 @@ def kernel_jobs(entries, archs) -> dict:
     jobs = {}
     for _, _, unit in entries:
         for arch in archs:
+            if unit.target(arch) is None:        # an sm_90a unit has no sm_80 build
+                continue
             for name in unit.names:
                 jobs.setdefault(kernel_key(unit, name, arch),
                                 loader.CompileUnit(unit.source, (name,), tuple(unit.options),
-                                                   {name: unit.dynamic_smem.get(name, 0)}, unit.label))
+                                                   {name: unit.dynamic_smem.get(name, 0)}, unit.label,
+                                                   tuple(unit.archs)))
     return jobs
 
 
@@ -80,12 +83,14 @@ def report(archs=ARCHS, workers: int | None = None, progress: bool = True) -> li
     rows = []
     for name, bound, unit in entries:
         for arch in archs:
+            if unit.target(arch) is None:
+                continue
             tuned = bound is None or _tuned(bound, unit)
             for kname in unit.names:
                 r = kernel[kernel_key(unit, kname, arch)]
                 dynamic = int(unit.dynamic_smem.get(kname, 0))
                 rows.append({"variant": name, "config": repr(bound) if bound else name, "unit": unit.label,
-                             "kernel": kname, "arch": arch, "registers": r.registers,
+                             "kernel": kname, "arch": arch, "target": unit.target(arch), "registers": r.registers,
                              "spill_stores": r.spill_stores, "spill_loads": r.spill_loads, "stack": r.stack,
                              "static_smem": r.static_smem, "dynamic_smem": dynamic, "smem_limit": limit[arch],
                              "tuned": tuned, "fits": r.static_smem + dynamic <= limit[arch]})
@@ -163,7 +168,7 @@ def markdown(rows) -> str:
     lines = [head]
     for r in rows:
         fits = "" if r.get("fits", True) else f" (> {r['smem_limit']}: not on {r['arch']})"
-        lines.append(f"| {r['variant']} | `{r['kernel']}` | {r['arch']} | {r['registers']} | "
+        lines.append(f"| {r['variant']} | `{r['kernel']}` | {r.get('target') or r['arch']} | {r['registers']} | "
                      f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['static_smem']}+{r['dynamic_smem']}{fits} | "
                      f"{'yes' if r['tuned'] else 'no'} |")
     return "\n".join(lines)

@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -49,6 +50,16 @@ class CompileUnit:
     options: tuple = ()
     dynamic_smem: dict = field(default_factory=dict, hash=False, compare=False)   # name -> bytes
     label: str = ""
+    archs: tuple = ()                # the only real architectures it builds for ("sm_90a"); () any
+
+    def target(self, arch: str) -> str | None:
+        """What to build for on a GPU of (or a report for) `arch`, e.g. "sm_90": `arch` itself for a
+        unit that names no architecture; its architecture-specific form ("sm_90a": wgmma, setmaxnreg)
+        where the unit names one; None where the unit cannot run there (an sm_90a kernel on sm_80 or on
+        sm_100: architecture-specific code runs on that architecture only)."""
+        if not self.archs:
+            return arch
+        return next((a for a in self.archs if a == arch or a.rstrip("a") == arch), None)
 
 
 def kernel_dir() -> Path:
@@ -81,19 +92,28 @@ _MODULES: dict = {}
 _warned_fallback: set = set()
 
 
-def _module(source: str, options: tuple, names: tuple):
+def _module(source: str, options: tuple, names: tuple, archs: tuple = ()):
     """The module holding `names` on the current device: with the disk cache on (the default), built
     by `build` for the device's architecture (or read from the cache) and loaded from its CUBIN;
     with SANDBOX_CACHE_DIR=off, or where NVRTC cannot be loaded through cuda.bindings, a
     cupy.RawModule compiled by CuPy's NVRTC (the previous path). Either way `.get_function(name)`
     takes a name expression."""
     import cupy
-    mode = "cubin" if kernel_cache.enabled() and _nvrtc_usable() else "cupy"
-    key = (source, options, names, mode, cupy.cuda.runtime.getDevice() if mode == "cubin" else None)
+    # an architecture-specific unit (archs, e.g. sm_90a) always takes the CUBIN path: CuPy compiles for
+    # the plain architecture, where wgmma does not assemble (with the disk cache off, built unstored)
+    mode = "cubin" if (kernel_cache.enabled() or archs) and _nvrtc_usable() else "cupy"
+    key = (source, options, names, archs, mode, cupy.cuda.runtime.getDevice() if mode == "cubin" else None)
     module = _MODULES.get(key)
     if module is None:
         if mode == "cubin":
-            module = _cubin_module(source, options, names, _device_arch(key[-1]))
+            device_arch = _device_arch(key[-1])
+            arch = CompileUnit(source, names, options, archs=archs).target(device_arch)
+            if arch is None:
+                raise ValueError(f"{source} runs on {' or '.join(archs)} only; this GPU is {device_arch}")
+            module = _cubin_module(source, options, names, arch)
+        elif archs:
+            raise RuntimeError(f"{source} needs NVRTC through cuda.bindings to build for {' or '.join(archs)} "
+                               "(pip install .[compile])")
         else:
             module = _cupy_module(source, options, names)
         _MODULES[key] = module
@@ -184,7 +204,7 @@ def _nvrtc_usable() -> bool:
 
 def get_kernel(unit: CompileUnit, name: str):
     """The compiled kernel `name` of `unit`, with its dynamic shared-memory limit raised if needed."""
-    kernel = _module(unit.source, tuple(unit.options), tuple(unit.names)).get_function(name)
+    kernel = _module(unit.source, tuple(unit.options), tuple(unit.names), tuple(unit.archs)).get_function(name)
     smem = int(unit.dynamic_smem.get(name, 0))
     if smem > STATIC_SMEM_LIMIT and kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -223,11 +243,13 @@ class PackedLaunch:
     for the 30 arguments of fa2_tc_forward); here the fixed arguments are packed when the plan is
     made and a call rewrites only its `Slot`s (device pointers, seed, offset) before one
     cuLaunchKernel on the given stream. Arguments: typed NumPy scalars, CuPy arrays (their device
-    pointer) or Slots. SANDBOX_LAUNCH=cupy uses CuPy's launch instead (the reference path).
+    pointer), Slots, or by-value structs: a `tma.Opaque` (its bytes copied in once) or a Slot of
+    ctype "map" (128 bytes copied per call from the address given for it: a tensor map, sandbox/tma.py).
+    SANDBOX_LAUNCH=cupy uses CuPy's launch instead (the reference path), except for kernels that take
+    structs by value, which CuPy cannot pack.
     """
 
     def __init__(self, kernel, grid, block, shared_mem: int, args):
-        import ctypes
         self.kernel, self.args = kernel, tuple(args)
         self.grid = tuple(int(g) for g in (tuple(grid) + (1, 1))[:3])
         self.block = tuple(int(b) for b in (tuple(block) + (1, 1))[:3])
@@ -235,9 +257,17 @@ class PackedLaunch:
         self.cupy_path = os.environ.get("SANDBOX_LAUNCH") == "cupy"
         self.holders, self.slots = [], []
         for i, a in enumerate(self.args):
-            if isinstance(a, Slot):
+            if isinstance(a, Slot) and a.ctype == "map":             # a CUtensorMap refilled per call
+                h = (ctypes.c_uint8 * 128)()
+                self.slots.append((a.name, h))
+                self.cupy_path = False                              # CuPy packs no opaque structs
+            elif isinstance(a, Slot):
                 h = getattr(ctypes, _CTYPES[a.ctype])(0)
                 self.slots.append((a.name, h))
+            elif hasattr(a, "address") and hasattr(a, "nbytes"):      # tma.Opaque: a struct by value
+                h = (ctypes.c_uint8 * a.nbytes)()
+                ctypes.memmove(h, a.address, a.nbytes)
+                self.cupy_path = False                              # CuPy packs no opaque structs
             elif hasattr(a, "data") and hasattr(a.data, "ptr"):        # a CuPy array
                 h = ctypes.c_uint64(a.data.ptr)
             elif isinstance(a, np.generic):
@@ -256,7 +286,10 @@ class PackedLaunch:
         if min(self.grid) == 0:
             return
         for name, h in self.slots:
-            h.value = values[name]
+            if isinstance(h, ctypes.Array):
+                ctypes.memmove(h, values[name], 128)             # the map's address
+            else:
+                h.value = values[name]
         if self.cupy_path:
             args = tuple(np.uint64(h.value) if isinstance(a, Slot) and a.ctype == "u64" else
                          (np.uint32(h.value) if isinstance(a, Slot) else a)
@@ -320,7 +353,9 @@ def build(unit: CompileUnit, arch: str = "sm_90", *, refresh: bool = False) -> k
     """`unit` compiled by NVRTC for `arch`, a real architecture ("sm_90", "sm_90a", ...): the CUBIN,
     name expression -> lowered name, and the log with ptxas's report. Read from the disk cache
     (sandbox/kernel_cache.py) where it holds this build, else compiled and stored there;
-    `refresh` compiles even on a hit. No GPU or driver is needed."""
+    `refresh` compiles even on a hit. No GPU or driver is needed. An architecture-specific unit
+    builds for its form of `arch` (CompileUnit.target: "sm_90" -> "sm_90a"); ValueError where it has none."""
+    arch = _target(unit, arch)
     text, opts, names, version, k = _build_key(unit, arch)
     if not refresh:
         hit = kernel_cache.load(k, names)
@@ -337,8 +372,15 @@ def build(unit: CompileUnit, arch: str = "sm_90", *, refresh: bool = False) -> k
 
 def cached_build(unit: CompileUnit, arch: str = "sm_90") -> kernel_cache.Build | None:
     """The stored build of `unit` for `arch`, or None (nothing is compiled)."""
-    _, _, names, _, k = _build_key(unit, arch)
+    _, _, names, _, k = _build_key(unit, _target(unit, arch))
     return kernel_cache.load(k, names)
+
+
+def _target(unit: CompileUnit, arch: str) -> str:
+    target = unit.target(arch)
+    if target is None:
+        raise ValueError(f"{unit.label or unit.source} builds for {' or '.join(unit.archs)} only, not {arch}")
+    return target
 
 
 def _build_key(unit: CompileUnit, arch: str) -> tuple:
@@ -431,12 +473,13 @@ def build_many(jobs, workers: int | None = None, progress=None) -> list[kernel_c
 
 def prebuild(units, arch: str = "sm_90", workers: int | None = None, progress=None) -> list[kernel_cache.Build]:
     """Build independent units for `arch` in parallel (see build_many) and fill the disk cache, so
-    that later get_kernel / compile_only calls read it. One Build per unit, in order."""
-    return build_many([(u, arch) for u in units], workers, progress)
+    that later get_kernel / compile_only calls read it. One Build per unit that can run on `arch`
+    (CompileUnit.target), in order."""
+    return build_many([(u, arch) for u in units if u.target(arch) is not None], workers, progress)
 
 
 def _identity(unit: CompileUnit, arch: str) -> tuple:
-    return unit.source, tuple(unit.options), tuple(sorted(unit.names)), arch
+    return unit.source, tuple(unit.options), tuple(sorted(unit.names)), unit.target(arch) or arch
 
 
 def compile_only(unit: CompileUnit, arch: str = "sm_90") -> list[KernelReport]:

@@ -1,0 +1,214 @@
+// fa3_ws.cu: the warp-specialized Hopper rungs: TMA copies on mbarriers, a producer warpgroup, consumer
+// warpgroups on wgmma, and (OVERLAP) softmax overlapped with the next S GEMM; fp16 / bf16, fp32 accumulation.
+//
+// Seed: FA3 paper (Shah et al. 2024) Sec. 3.1 (producer-consumer asynchrony through warp
+// specialization and a circular shared-memory buffer, Algorithm 1; register reallocation with
+// setmaxnreg) and Sec. 3.2 (intra-warpgroup overlap of softmax with the GEMMs, Algorithm 2). The
+// softmax, masks, dropout and epilogue are the tensor-core tier's (tc_softmax.cuh, FA2 paper
+// Algorithm 1, Sec. 3.1); operand placement and swizzle are fa3_wgmma.cu's (hopper.cuh).
+//
+// Kernel
+//   fa3_ws_forward<T, D, BC, NC, STAGES, OVERLAP, R, DROPOUT>   grid (ceil(Nq / (64 NC)), B*Hq),
+//       128 (NC + 1) threads. Warpgroup 0 is the producer: after giving registers back (setmaxnreg),
+//       one thread issues every TMA copy: the block's Q tile once, then K_j and V_j into a ring of
+//       STAGES slots, each slot guarded by a "full" mbarrier (TMA completes the bytes it announced)
+//       and an "empty" one (every consumer warp arrives when its wgmma reads of the slot are done).
+//       Warpgroups 1..NC consume: 64 query rows each, S = Q K_j^T and O += P V_j on wgmma, no
+//       __syncthreads in the loop: the consumer warpgroups drift apart and their softmax and GEMMs
+//       interleave on their own.
+//       OVERLAP (FA3 Algorithm 2): S_{j+1} = Q K_{j+1}^T and O += P_j V_j are issued together, and the
+//       softmax of S_{j+1} runs while O += P_j V_j is still on the tensor cores; O's rescale by
+//       2^(m_j - m_{j+1}) waits for that GEMM (softmax_scores, then rescale_rows). Without it, each
+//       tile's GEMMs are waited for before its softmax (the rung below).
+//   Tensor maps (variants/fa3_ws.py): 4-D (d, N, H, B) with the caller's strides, box 64 x rows, the
+//   128-byte swizzle: each box lands as one [rows][64] panel of hopper.cuh's layout. Rows past N and
+//   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
+// Masks, dropout, GQA, dead rows: as fa2_tc.cu (the host's tile table and band bound the tile loop of
+// producer and consumers alike; the element predicate runs in partial tiles).
+// Envelope: D in {64, 128}, BC in {64, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; sm_90a.
+#include "tc_softmax.cuh"
+#include "hopper.cuh"
+
+// ---- device helpers
+
+// The tile sequence every role walks: the band's range, minus the tiles the table marks empty.
+struct TileWalk {
+    const signed char* cls;
+    int first, last;
+    __device__ __forceinline__ int next(int t) const { return next_live_tile(cls, t + 1, last); }
+};
+
+// ---- kernels
+
+template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, int R, bool DROPOUT>
+__global__ void __launch_bounds__((NC + 1) * 128, 1)
+fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (64, 64)
+               const __grid_constant__ TmaDesc map_k,   // (d, Nk, Hkv, B), box (64, BC)
+               const __grid_constant__ TmaDesc map_v,   // (d, Nk, Hkv, B), box (64, BC)
+               T* __restrict__ O,                        // [B, Hq, Nq, d] contiguous
+               float* __restrict__ LSE,                  // [B, Hq, Nq]
+               const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
+               int tile_heads, int Hq, int group, int Nq, int Nk, int d,
+               float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
+               MASK_PARAMS, DROPOUT_PARAMS) {
+    constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
+    constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;          // bytes of one 64-column panel
+    constexpr unsigned Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    static_assert(BC == 64 || BC == 128, "wgmma n = Bc");
+    static_assert(NC >= 1 && NC <= 3 && (STAGES == 2 || STAGES == 3), "consumers, ring slots");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;     // panels on 1024-byte boundaries
+    const unsigned sK = sQ + Q_BYTES, sV = sK + STAGES * KV_BYTES;   // ring slot s at + s * KV_BYTES
+    const unsigned bar = sV + STAGES * KV_BYTES;                     // mbarriers, 8 bytes each:
+    const unsigned q_full = bar, k_full = bar + 8, v_full = k_full + 8 * STAGES,
+                   k_empty = v_full + 8 * STAGES, v_empty = k_empty + 8 * STAGES;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
+    const int tr = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y,    // last Q tiles first (causal's long rows)
+              b = bh / Hq, h = bh % Hq, hk = h / group;
+    const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC;
+    TileWalk walk;
+    walk.cls = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, walk.first, walk.last);
+    walk.first = next_live_tile(walk.cls, walk.first, walk.last);
+
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(k_full + 8 * s, 1);
+            mbar_init(v_full + 8 * s, 1);
+            mbar_init(k_empty + 8 * s, NC * 4);         // one arrival per consumer warp
+            mbar_init(v_empty + 8 * s, NC * 4);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        // ---- producer: one thread issues every copy
+        if constexpr (NC == 2) regs_release<24>();
+        if constexpr (NC == 3) regs_release<32>();
+        if (threadIdx.x == 0) {
+            mbar_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+            for (int p = 0; p < D / 64; ++p)
+#pragma unroll
+                for (int c = 0; c < NC; ++c)
+                    tma_load_4d(sQ + p * PANEL_Q + c * 64 * 128, map_q, q_full, p * 64, row0 + c * 64, h, b);
+            int it = 0;
+            for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
+                const int s = it % STAGES;
+                const unsigned parity = (it / STAGES) & 1;
+                if (it >= STAGES) mbar_wait(k_empty + 8 * s, parity ^ 1);   // the consumers released slot s
+                mbar_expect_tx(k_full + 8 * s, KV_BYTES);
+#pragma unroll
+                for (int p = 0; p < D / 64; ++p)
+                    tma_load_4d(sK + s * KV_BYTES + p * PANEL_KV, map_k, k_full + 8 * s, p * 64, t * BC, hk, b);
+                if (it >= STAGES) mbar_wait(v_empty + 8 * s, parity ^ 1);
+                mbar_expect_tx(v_full + 8 * s, KV_BYTES);
+#pragma unroll
+                for (int p = 0; p < D / 64; ++p)
+                    tma_load_4d(sV + s * KV_BYTES + p * PANEL_KV, map_v, v_full + 8 * s, p * 64, t * BC, hk, b);
+            }
+        }
+    } else {
+        // ---- consumers: 64 rows per warpgroup
+        if constexpr (NC == 2) regs_claim<240>();
+        if constexpr (NC == 3) regs_claim<160>();
+        const Mask mask = MASK_FROM_PARAMS;
+        const Dropout drop = DROPOUT_FROM_PARAMS;
+        const int g = lane / 4, tq = lane % 4, c = wg - 1;
+        const int wrow = (warp - 4) * 16;             // the warp's first row in the tile
+        const unsigned q_rows = sQ + c * 64 * 128;
+        float o[1][ND][4], m[1][2], l[1][2];
+        zero_state(o, m, l);
+
+        // the scores of tile t, in registers: masked, softmaxed (O's rescale factor in corr), dropped out
+        auto scores_to_p = [&](float (&s)[1][NT][4], int t, float (&corr)[1][2]) {
+            const int col0 = t * BC;
+            if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
+                mask_scores(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+            float mx[1][2];
+            row_max(s, mx);
+            softmax_scores(s, m, l, mx, scale_log2, corr);
+            if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
+        };
+
+        mbar_wait(q_full, 0);
+        int it = 0;
+        if constexpr (!OVERLAP) {
+            for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
+                const int s = it % STAGES;
+                const unsigned parity = (it / STAGES) & 1;
+                float sc[1][NT][4], corr[1][2];
+                unsigned pa[BC / 16][4];
+                mbar_wait(k_full + 8 * s, parity);
+                wgmma_fence();
+                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK + s * KV_BYTES);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(sc[0]);
+                if (lane == 0) mbar_arrive(k_empty + 8 * s);
+                scores_to_p(sc, t, corr);
+                rescale_rows(o, corr);
+                p_operands<T>(pa, sc);
+                mbar_wait(v_full + 8 * s, parity);
+                wgmma_fence();
+                wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(o[0]);
+                if (lane == 0) mbar_arrive(v_empty + 8 * s);
+            }
+        } else if (walk.first <= walk.last) {
+            // prologue: S_0, its softmax; P_0 waits in registers for V_0
+            unsigned pa[BC / 16][4];
+            int t = walk.first, s = 0;
+            unsigned parity = 0;
+            {
+                float sc[1][NT][4], corr[1][2];
+                mbar_wait(k_full, 0);
+                wgmma_fence();
+                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_accumulators(sc[0]);
+                if (lane == 0) mbar_arrive(k_empty);
+                scores_to_p(sc, t, corr);              // O is still zero: no rescale
+                p_operands<T>(pa, sc);
+            }
+            for (int tn = walk.next(t); tn <= walk.last; tn = walk.next(tn)) {
+                ++it;
+                const int sn = it % STAGES;
+                const unsigned pn = (it / STAGES) & 1;
+                float sc[1][NT][4], corr[1][2];
+                mbar_wait(k_full + 8 * sn, pn);
+                wgmma_fence();
+                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
+                wgmma_commit();
+                mbar_wait(v_full + 8 * s, parity);
+                wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);                  // O += P_j V_j
+                wgmma_commit();
+                wgmma_wait<1>();                                                    // S_{j+1} done
+                fence_accumulators(sc[0]);
+                if (lane == 0) mbar_arrive(k_empty + 8 * sn);
+                scores_to_p(sc, tn, corr);             // under O += P_j V_j
+                wgmma_wait<0>();
+                fence_accumulators(o[0]);
+                if (lane == 0) mbar_arrive(v_empty + 8 * s);
+                rescale_rows(o, corr);
+                p_operands<T>(pa, sc);
+                t = tn, s = sn, parity = pn;
+            }
+            mbar_wait(v_full + 8 * s, parity);         // epilogue: the last O += P V
+            wgmma_fence();
+            wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_accumulators(o[0]);
+            if (lane == 0) mbar_arrive(v_empty + 8 * s);
+        }
+        write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
+    }
+}

@@ -1,0 +1,169 @@
+// hopper.cuh: what the Hopper rungs (sm_90a) add to the tensor-core tier: shared-memory matrix
+// descriptors for wgmma, the wgmma fences, the async-proxy fence, and tiles laid out in the
+// 128-byte-swizzled canonical form that wgmma reads.
+//
+// Layout of a [ROWS][D] 16-bit tile (D a multiple of 64): D / 64 column panels, each [ROWS][64]
+// (128 bytes a row), panel p at p * ROWS * 128 bytes; inside a panel, 16-byte chunk c of row r lives
+// at chunk c ^ (r % 8). With panels 1024-byte aligned that is exactly the hardware's 128-byte swizzle
+// (address bits 4-6 XOR bits 7-9), so one layout serves
+//   K-major operands (Q as A, K as B of S = Q K^T: the GEMM's k runs along a row): rows 8 at a time
+//       1024 bytes apart (the stride byte offset), a k16 step 32 bytes further in the row, the next
+//       panel after four steps;
+//   an MN-major operand (V as B of O += P V with the transpose bit: n runs along a row): k (keys)
+//       8 rows at a time 1024 bytes apart, n 64 columns at a time one panel apart (the leading byte
+//       offset), a k16 step 16 rows (2048 bytes) further.
+// (PTX ISA "Matrix Descriptor Format" and "Shared Memory Matrix Layout"; FA3 paper Sec. 3 keeps the
+// same operand placement: Q, K, V in shared memory, P in registers as the A operand.)
+#pragma once
+#include "mma.cuh"
+#include "tc_softmax.cuh"
+#include "wgmma_ops.cuh"
+
+// ---- descriptors and fences
+
+// A wgmma shared-memory matrix descriptor: start address, leading and stride byte offsets (all in
+// 16-byte units, 14 bits each), base offset 0 (panels are 1024-byte aligned), swizzle mode 1 (128 B).
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_byte_addr, unsigned lbo_bytes,
+                                                         unsigned sbo_bytes) {
+    return (unsigned long long)((smem_byte_addr & 0x3FFFF) >> 4) |
+           ((unsigned long long)((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+           ((unsigned long long)((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+// Before a warpgroup's first wgmma of a batch: its accumulator and A registers were written by
+// ordinary instructions (the softmax rescale, P) and must be visible to the async tensor cores.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+
+// Shared memory written through the generic proxy (cp.async, ordinary stores) and read next by
+// wgmma (the async proxy): each writing thread fences before the barrier that publishes the tile.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keep the compiler from moving accumulator reads or writes across an in-flight wgmma.
+template <int NT>
+__device__ __forceinline__ void fence_accumulators(float (&d)[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[n][e]) :: "memory");
+}
+
+// ---- tiles
+
+// Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into
+// the panelled, swizzled [ROWS][D] tile at `dst`, asynchronously; rows >= N and chunks >= d / 8 are
+// zero-filled. Thread i copies chunk column i % (D / 8) of every (THREADS / (D / 8))-th row, so its
+// row % 8, hence its swizzled offset, is the same in every step.
+template <int ROWS, int D, int THREADS, typename T>
+__device__ __forceinline__ void load_panels_async(unsigned dst, const T* __restrict__ src, long long srow,
+                                                  int row0, int N, int dchunks) {
+    constexpr int CH = D / 8, STEP = THREADS / CH;
+    static_assert(D % 64 == 0 && THREADS % CH == 0 && STEP % 8 == 0, "one chunk column and row % 8 per thread");
+    const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+    const bool col_in = c < dchunks;
+    const T* g = src + (long long)(row0 + r) * srow + c * 8;
+    const unsigned s = dst + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+#pragma unroll
+    for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+        if (ROWS % STEP != 0 && r + it * STEP >= ROWS) break;
+        const bool in = col_in && row0 + r + it * STEP < N;
+        cp_async_16(s + it * STEP * 128, in ? g : src, in ? 16 : 0);
+        g += STEP * srow;
+    }
+}
+
+// ---- the two GEMMs of one warpgroup (issued, committed; the caller waits)
+
+// s = Q_wg K^T: A = the warpgroup's 64 rows of the Q tile (at q_rows, panel stride QROWS * 128), B = the
+// BC keys of the K tile (K-major both); s is overwritten (the first k-step does not accumulate).
+template <typename T, int D, int BC, int QROWS>
+__device__ __forceinline__ void wg_gemm_qk(float (&s)[BC / 8][4], unsigned q_rows, unsigned k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const unsigned off = (kk % 4) * 32;                 // bytes into the 128-byte row
+        const unsigned long long da = wgmma_desc(q_rows + (kk / 4) * QROWS * 128 + off, 16, 1024);
+        const unsigned long long db = wgmma_desc(k_tile + (kk / 4) * BC * 128 + off, 16, 1024);
+        Wgmma<T, BC, false>::ss(s, da, db, kk > 0);
+    }
+}
+
+// o += P V: A = P from registers (pa[kk]: keys 16 kk .. 16 kk + 15 of the warp's 16 rows), B = the
+// BC x D V tile, MN-major (the transpose bit): a k16 step is 16 rows, 2048 bytes; panels BC * 128 apart.
+template <typename T, int D, int BC>
+__device__ __forceinline__ void wg_gemm_pv(float (&o)[D / 8][4], const unsigned (&pa)[BC / 16][4], unsigned v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+        Wgmma<T, D, true>::rs(o, pa[kk], wgmma_desc(v_tile + kk * 2048, BC * 128, 1024), 1);
+}
+
+// ---- a consumer warpgroup's softmax state
+
+// O = 0, m = -inf, l = 0 for the warp's 16 rows (one m16 slice: the wgmma accumulator layout).
+template <int ND>
+__device__ __forceinline__ void zero_state(float (&o)[1][ND][4], float (&m)[1][2], float (&l)[1][2]) {
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[0][n][e] = 0.0f;
+    m[0][0] = m[0][1] = NEG_INF;
+    l[0][0] = l[0][1] = 0.0f;
+}
+
+// P (fp32 scores after the softmax) as the A operands of O += P V: pa[kk] holds keys 16 kk .. 16 kk + 15.
+template <typename T, int NT>
+__device__ __forceinline__ void p_operands(unsigned (&pa)[NT / 2][4], const float (&s)[1][NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        unsigned frag[1][4];
+        p_fragments<T>(frag, s, kk);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pa[kk][e] = frag[0][e];
+    }
+}
+
+// ---- TMA, mbarriers, register reallocation (the warp-specialized rungs: fa3_ws.cu)
+
+// A CUtensorMap as the kernel sees it: 128 opaque bytes, built on the host by cuTensorMapEncodeTiled
+// and passed by value as a __grid_constant__ parameter (NVRTC has no cuda.h, hence this stand-in of
+// the same size and alignment).
+struct __align__(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+// Make barrier initialisation visible to the async proxy (TMA completes on these barriers).
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival that also announces `bytes` of TMA traffic the phase must see land.
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Wait until the phase of parity `parity` has completed (phases alternate 0, 1, 0, ...).
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\n"
+                 "WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n"
+                 "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// A box of a 4-D tensor (coordinates innermost first) into shared memory at `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc& map, unsigned bar, int c0, int c1, int c2,
+                                            int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                    "r"(bar) : "memory");
+}
+
+// Move registers between warpgroups (sm_90a): the producer gives up, the consumers take.
+template <int N>
+__device__ __forceinline__ void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
+template <int N>
+__device__ __forceinline__ void regs_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }

@@ -1,0 +1,178 @@
+"""fa3-ws, fa3: the warp-specialized Hopper rungs, kernels_cu/fa3_ws.cu (sm_90a).
+
+Seed: FA3 paper (Shah et al. 2024) Sec. 3.1 (warp specialization: a producer warpgroup issuing TMA
+copies into a circular buffer of shared-memory slots guarded by mbarriers, consumer warpgroups on
+wgmma, registers moved to the consumers with setmaxnreg; Algorithm 1) and Sec. 3.2 (intra-warpgroup
+overlap of the softmax with the GEMMs; Algorithm 2).
+  fa3-ws   TMA + warp specialization: the rung above fa3-wgmma (whose copies are cp.async by every
+           thread, with two block-wide barriers per tile)
+  fa3      the same with the overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j in flight together, the
+           softmax of S_{j+1} under the second
+Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers), ring
+slots (`stages`), `overlap`, `philox_rounds`. Tensor maps: sandbox/tma.py (built per array on the host,
+passed by value through loader.PackedLaunch). The backward is fa2-tc's (mma.sync) with its defaults.
+Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 128;
+sm_90 GPUs only). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
+broadcast dims) are copied to contiguous ones first; the torch plan path then takes the generic path.
+Status and speed: bench/results/h100/.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sandbox import arrays, tma
+from sandbox.device import SMEM_PER_BLOCK_OPTIN
+from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mask_args, tile_table
+from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
+from sandbox.registry import Param, Variant, philox_rounds_param, register
+
+from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, d_pad, scale_log2
+from .fa3_wgmma import ARCHS, CAPS, FA3Wgmma
+
+SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
+
+
+# ---- config
+
+@dataclass(frozen=True)
+class WsConfig:
+    block_c: int = 128
+    consumers: int = 2
+    stages: int = 2
+    overlap: bool = True
+    philox_rounds: int = 10
+    bwd: TCConfig = field(default_factory=TCConfig)     # the backward: fa2-tc's, its defaults
+
+    @property
+    def block_r(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    def bc(self, D: int, dropout: bool = False) -> int:
+        return self.block_c
+
+    def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
+        return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.block_c}, {self.consumers}, {self.stages}, "
+                f"{'true' if self.overlap else 'false'}, {self.philox_rounds}, {'true' if dropout else 'false'}>")
+
+    def forward_smem(self, D: int, dropout: bool = False) -> int:
+        """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
+        return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.block_c) + 8 * (1 + 4 * self.stages) + 1024
+
+    def unit(self, dtype: str, D: int) -> CompileUnit:
+        names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
+        return CompileUnit("fa3_ws.cu", names, cuda_options(), {n: self.forward_smem(D) for n in names},
+                           label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}]", archs=ARCHS)
+
+    def envelope_errors(self, D: int) -> list[str]:
+        smem = self.forward_smem(D)
+        return [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+
+
+# ---- launch
+
+class FA3WarpSpecialized(FA3Wgmma):
+    """fa3-wgmma's checks, compile units and (fa2-tc's) backward; its own forward launch: tensor maps
+    for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
+
+    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, consumers, stages)
+    TUNED = {(128, 2, 2), (128, 2, 3), (64, 2, 2), (128, 1, 2)}
+
+    def __init__(self, name: str, overlap: bool):
+        super().__init__()
+        self.name, self.overlap = name, overlap
+
+    def configure(self, block_c=128, consumers=2, stages=2, philox_rounds=10):
+        return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, TCConfig(philox_rounds=philox_rounds))
+
+    def report_configs(self):
+        return [{}, {"stages": 3}, {"block_c": 64}, {"consumers": 1}, {"consumers": 3, "block_c": 64}]
+
+    def tuned(self, config, unit=None) -> bool:
+        if unit is not None and unit.source != "fa3_ws.cu":
+            return super().tuned(config, unit)
+        return (config.block_c, config.consumers, config.stages) in self.TUNED
+
+    def _arguments(self, p, config, maps, out, lse, xp):
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        tiles, tile_heads = tile_table(p, config.block_r, config.block_c, xp)
+        return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+                       f32(scale_log2(p.scale)), *mask_args(p, xp)), D, dropout
+
+    def launch(self, p, q, k, v, config, grid, scratch=()):
+        import cupy as xp
+        if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
+            k = arrays.negate(k, xp)
+        maps, held = [], []
+        for x, rows in ((q, 64), (k, config.block_c), (v, config.block_c)):
+            if tma.usable_strides(x.shape, arrays.element_strides(x)) is None or x.data.ptr % 16:
+                x = xp.ascontiguousarray(x)          # strides TMA cannot describe: a contiguous copy
+            maps.append(tma.map_of(x, rows))
+            held.append(x)                           # alive until the launch is queued
+        out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
+        lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+        tiles, args, D, dropout = self._arguments(p, config, maps, out, lse, xp)
+        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
+                              (*args, *dropout_args(p)))
+        kernel({}, xp.cuda.get_current_stream())
+        return out, lse
+
+    def forward_plan(self, p, config, strides) -> LaunchPlan | None:
+        """Tensor maps encoded per call from the pointers (cached by address in sandbox/tma.py). None
+        where the generic path must run: a negative scale, strides TMA cannot describe."""
+        import cupy as xp
+        if p.scale < 0:
+            return None
+        shapes = {"q": (p.B, p.Hq, p.Nq, p.d), "k": (p.B, p.Hkv, p.Nk, p.d), "v": (p.B, p.Hkv, p.Nk, p.d)}
+        if any(tma.usable_strides(shapes[nm], strides[nm]) is None for nm in shapes):
+            return None
+        rows = {"q": 64, "k": config.block_c, "v": config.block_c}
+        maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
+        tiles, args, D, dropout = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
+        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
+                              (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p)))
+
+        def run(ptr, seed, offset, stream):
+            held = []
+            for nm in ("q", "k", "v"):
+                m = tma.tensor_map(ptr[nm], p.dtype, shapes[nm], strides[nm], rows[nm])
+                ptr[f"map_{nm}"] = m.address
+                held.append(m)
+            ptr["seed"], ptr["offset"] = seed, offset
+            kernel(ptr, stream)
+
+        buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
+        return LaunchPlan(buffers, run, keep=(tiles,))
+
+
+PARAMS = (
+    Param("block_c", (64, 128), 128, "Bc: keys per K/V tile (the n of S = Q K^T's wgmma)"),
+    Param("consumers", (1, 2, 3), 2, "consumer warpgroups, 64 query rows each (Br = 64 x consumers); one more "
+          "warpgroup produces"),
+    Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
+    philox_rounds_param(),
+)
+
+register(Variant(
+    name="fa3-ws", family="fa3", backend="cuda",
+    description="Hopper rung 2: TMA copies on mbarriers from a producer warpgroup, wgmma consumers, setmaxnreg; "
+                "fa2-tc's backward",
+    impl=FA3WarpSpecialized("fa3-ws", overlap=False), params=PARAMS, caps=CAPS,
+    seed_ref="FA3 paper Sec. 3.1, Algorithm 1",
+    tags=("tc-ladder",),
+    bench_configs=({"stages": 3},)))
+
+register(Variant(
+    name="fa3", family="fa3", backend="cuda",
+    description="Hopper rung 3: fa3-ws with the softmax of S_j+1 overlapped with O += P_j V_j (intra-warpgroup); "
+                "fa2-tc's backward",
+    impl=FA3WarpSpecialized("fa3", overlap=True), params=PARAMS, caps=CAPS,
+    seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
+    tags=("tc-ladder",),
+    bench_configs=({"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64}),
+    bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
