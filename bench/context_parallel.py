@@ -1,7 +1,7 @@
 """torchrun --nproc_per_node=W -m bench.context_parallel --out DIR: context-parallel attention (issue 19).
 
 What it measures, per GPU, at each per-GPU length n (the whole sequence N = W n; B = 1, H = 16,
-d = 128, bfloat16 and fa2-tc by default):
+d = 128, bfloat16 and the dtype's default variant, sandbox.api.DEFAULT_VARIANTS):
 
   method                   how the sequence is spread
   1 GPU                    the plain kernel on n tokens: the baseline at the same per-GPU length
@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--headdim", type=int, default=128)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    ap.add_argument("--variant", default="fa2-tc", help="a registered variant spec (fa2-tc:block_c=64)")
+    ap.add_argument("--variant", default=None, help="a registered variant spec (name:key=value+...); default: "
+                    "the dtype's default variant (sandbox.api.DEFAULT_VARIANTS)")
     ap.add_argument("--methods", type=csv_of(allowed=tuple(METHODS)), default=tuple(METHODS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fit-start", type=int, default=16384, help="first per-GPU length of the memory probe")
@@ -218,7 +219,7 @@ def _ring_parts(args, method: str, n: int, direction: str, world: int, rank: int
 
 
 def _bound(text: str):
-    """The variant spec of --variant ('fa2-tc:block_c=64') bound to its parameters."""
+    """The variant spec of --variant (name:key=value+...) bound to its parameters."""
     import sandbox
     from sandbox.registry import parse_spec
     name, params = parse_spec(text)
@@ -376,6 +377,9 @@ def _markdown(rows: list[dict], fit: dict, meta: dict) -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.variant is None:
+        from sandbox.api import DEFAULT_VARIANTS
+        args.variant = DEFAULT_VARIANTS[args.dtype]
     world, rank = _init_group(args.device)
     import torch.distributed as dist
     from bench.common import Progress, stamp, write
