@@ -8,7 +8,7 @@
 // Algorithm 1, Sec. 3.1); operand placement and swizzle are fa3_wgmma.cu's (hopper.cuh).
 //
 // Kernel
-//   fa3_ws_forward<T, D, BC, NC, STAGES, OVERLAP, R, DROPOUT>   grid (ceil(Nq / (64 NC)), B*Hq),
+//   fa3_ws_forward<T, D, BC, NC, STAGES, OVERLAP, PINGPONG, R, DROPOUT>   grid (ceil(Nq / (64 NC)), B*Hq),
 //       128 (NC + 1) threads. Warpgroup 0 is the producer: after giving registers back (setmaxnreg),
 //       one thread issues every TMA copy: the block's Q tile once, then K_j and V_j into a ring of
 //       STAGES slots, each slot guarded by a "full" mbarrier (TMA completes the bytes it announced)
@@ -20,6 +20,8 @@
 //       softmax of S_{j+1} runs while O += P_j V_j is still on the tensor cores; O's rescale by
 //       2^(m_j - m_{j+1}) waits for that GEMM (softmax_scores, then rescale_rows). Without it, each
 //       tile's GEMMs are waited for before its softmax (the rung below).
+//       PINGPONG (FA3 Sec. 3.1, with NC = 2 and OVERLAP): the two consumer warpgroups take turns issuing
+//       their GEMMs through two named barriers, so one's softmax runs under the other's GEMMs.
 //   Tensor maps (variants/fa3_ws.py): 4-D (d, N, H, B) with the caller's strides, box 64 x rows, the
 //   128-byte swizzle: each box lands as one [rows][64] panel of hopper.cuh's layout. Rows past N and
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
@@ -40,7 +42,7 @@ struct TileWalk {
 
 // ---- kernels
 
-template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, int R, bool DROPOUT>
+template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, bool PINGPONG, int R, bool DROPOUT>
 __global__ void __launch_bounds__((NC + 1) * 128, 1)
 fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (64, 64)
                const __grid_constant__ TmaDesc map_k,   // (d, Nk, Hkv, B), box (64, BC)
@@ -57,6 +59,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
     static_assert(BC == 64 || BC == 128, "wgmma n = Bc");
     static_assert(NC >= 1 && NC <= 3 && (STAGES == 2 || STAGES == 3), "consumers, ring slots");
+    static_assert(!PINGPONG || (NC == 2 && OVERLAP), "ping-pong: two consumer warpgroups, overlapped loop");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;     // panels on 1024-byte boundaries
     const unsigned sK = sQ + Q_BYTES, sV = sK + STAGES * KV_BYTES;   // ring slot s at + s * KV_BYTES
@@ -162,6 +165,13 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 if (lane == 0) mbar_arrive(v_empty + 8 * s);
             }
         } else if (walk.first <= walk.last) {
+            // PINGPONG: the two warpgroups take turns issuing their GEMMs (each turn waits on its own
+            // named barrier, 1 + c, and ends with an arrival on the other's), so that one's softmax runs
+            // under the other's GEMMs. Warpgroup 1 lets warpgroup 0 go first; every sync is matched
+            // by one arrival of the other warpgroup, the last one by warpgroup 0's final sync below.
+            auto my_turn = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
+            auto your_turn = [&] { if constexpr (PINGPONG) named_arrive(2 - c, 256); };
+            if (PINGPONG && c == 1) named_arrive(1, 256);
             // prologue: S_0, its softmax; P_0 waits in registers for V_0
             unsigned pa[BC / 16][4];
             int t = walk.first, s = 0;
@@ -169,9 +179,11 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             {
                 float sc[1][NT][4], corr[1][2];
                 mbar_wait(k_full, 0);
+                my_turn();
                 wgmma_fence();
                 wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK);
                 wgmma_commit();
+                your_turn();
                 wgmma_wait<0>();
                 fence_accumulators(sc[0]);
                 if (lane == 0) mbar_arrive(k_empty);
@@ -184,12 +196,14 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 const unsigned pn = (it / STAGES) & 1;
                 float sc[1][NT][4], corr[1][2];
                 mbar_wait(k_full + 8 * sn, pn);
+                mbar_wait(v_full + 8 * s, parity);
+                my_turn();
                 wgmma_fence();
                 wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
                 wgmma_commit();
-                mbar_wait(v_full + 8 * s, parity);
                 wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);                  // O += P_j V_j
                 wgmma_commit();
+                your_turn();
                 wgmma_wait<1>();                                                    // S_{j+1} done
                 fence_accumulators(sc[0]);
                 if (lane == 0) mbar_arrive(k_empty + 8 * sn);
@@ -202,9 +216,12 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 t = tn, s = sn, parity = pn;
             }
             mbar_wait(v_full + 8 * s, parity);         // epilogue: the last O += P V
+            my_turn();
             wgmma_fence();
             wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);
             wgmma_commit();
+            your_turn();
+            if (PINGPONG && c == 0) named_sync(1, 256);   // warpgroup 1's last arrival
             wgmma_wait<0>();
             fence_accumulators(o[0]);
             if (lane == 0) mbar_arrive(v_empty + 8 * s);

@@ -167,3 +167,13 @@ template <int N>
 __device__ __forceinline__ void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }
 template <int N>
 __device__ __forceinline__ void regs_claim() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(N)); }
+
+// Named barriers (ids 1..15; 0 is __syncthreads'): `sync` waits until `threads` threads have reached the
+// barrier (arrivals included), `arrive` counts without waiting. Ping-pong scheduling of two consumer
+// warpgroups (FA3 paper Sec. 3.1) is one sync on its own barrier and one arrive on the other's.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}

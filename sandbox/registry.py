@@ -227,14 +227,22 @@ def get_variant(name, **params) -> BoundVariant:
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """'fa2-tc:split=k+block_r=32' -> ('fa2-tc', {'split': 'k', 'block_r': 32}): a variant and its
+    """'fa2-tc:split=k+block_r=32' -> ('fa2-tc', {'split': 'k', 'block_r': 32}) ('fa3:pingpong=true' gives
+    True): a variant and its
     parameters in one token (the CLI's --variants and the benchmark tables take these)."""
     name, _, rest = spec.partition(":")
     params = {}
     for item in filter(None, rest.split("+")):
         key, _, value = item.partition("=")
-        params[key] = int(value) if value.isdigit() else value
+        params[key] = _spec_value(value)
     return name, params
+
+
+def _spec_value(text: str):
+    """A parameter value written in a spec: an int, a bool (True / False, any case), else the text."""
+    if text.isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def variants() -> list[dict]:

@@ -49,3 +49,13 @@ def test_refused_on_a_gpu_that_is_not_sm_90(monkeypatch):
     bound = sandbox.get_variant("fa3-wgmma")
     with pytest.raises(ValueError, match=r"sm_90 GPU.*sm_90a.*sm_80"):
         bound.check(sandbox.problem.make_problem(q, q, q), "forward")
+
+
+def test_spec_booleans_and_pingpong_envelope():
+    from sandbox.registry import parse_spec
+    assert parse_spec("fa3:pingpong=true+stages=3") == ("fa3", {"pingpong": True, "stages": 3})
+    assert sandbox.get_variant("fa3", pingpong=True).config.pingpong is True
+    q = np.zeros((1, 2, 16, 64), np.float16)
+    with pytest.raises(ValueError, match="pingpong"):
+        sandbox.get_variant("fa3", pingpong=True, consumers=3, block_c=64).check(
+            sandbox.problem.make_problem(q, q, q), "forward")

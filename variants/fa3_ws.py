@@ -7,7 +7,8 @@ overlap of the softmax with the GEMMs; Algorithm 2).
   fa3-ws   TMA + warp specialization: the rung above fa3-wgmma (whose copies are cp.async by every
            thread, with two block-wide barriers per tile)
   fa3      the same with the overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j in flight together, the
-           softmax of S_{j+1} under the second
+           softmax of S_{j+1} under the second; `pingpong`: the two consumer warpgroups also take turns
+           issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers), ring
 slots (`stages`), `overlap`, `philox_rounds`. Tensor maps: sandbox/tma.py (built per array on the host,
 passed by value through loader.PackedLaunch). The backward is fa2-tc's (mma.sync) with its defaults.
@@ -41,6 +42,7 @@ class WsConfig:
     stages: int = 2
     overlap: bool = True
     philox_rounds: int = 10
+    pingpong: bool = False
     bwd: TCConfig = field(default_factory=TCConfig)     # the backward: fa2-tc's, its defaults
 
     @property
@@ -56,7 +58,8 @@ class WsConfig:
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
         return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.block_c}, {self.consumers}, {self.stages}, "
-                f"{'true' if self.overlap else 'false'}, {self.philox_rounds}, {'true' if dropout else 'false'}>")
+                f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, {self.philox_rounds}, "
+                f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False) -> int:
         """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
@@ -69,7 +72,11 @@ class WsConfig:
 
     def envelope_errors(self, D: int) -> list[str]:
         smem = self.forward_smem(D)
-        return [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+        errs = [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+        if self.pingpong and (self.consumers != 2 or not self.overlap):
+            errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
+                        f"(consumers=2, variant fa3); got consumers={self.consumers}")
+        return errs
 
 
 # ---- launch
@@ -85,11 +92,13 @@ class FA3WarpSpecialized(FA3Wgmma):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c=128, consumers=2, stages=2, philox_rounds=10):
-        return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, TCConfig(philox_rounds=philox_rounds))
+    def configure(self, block_c=128, consumers=2, stages=2, philox_rounds=10, pingpong=False):
+        return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
+                        TCConfig(philox_rounds=philox_rounds))
 
     def report_configs(self):
-        return [{}, {"stages": 3}, {"block_c": 64}, {"consumers": 1}, {"consumers": 3, "block_c": 64}]
+        extra = [{"pingpong": True}] if self.overlap else []
+        return [{}, {"stages": 3}, {"block_c": 64}, {"consumers": 1}, {"consumers": 3, "block_c": 64}, *extra]
 
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source != "fa3_ws.cu":
@@ -171,8 +180,10 @@ register(Variant(
     name="fa3", family="fa3", backend="cuda",
     description="Hopper rung 3: fa3-ws with the softmax of S_j+1 overlapped with O += P_j V_j (intra-warpgroup); "
                 "fa2-tc's backward",
-    impl=FA3WarpSpecialized("fa3", overlap=True), params=PARAMS, caps=CAPS,
+    impl=FA3WarpSpecialized("fa3", overlap=True), caps=CAPS,
+    params=(*PARAMS, Param("pingpong", (False, True), False, "the two consumer warpgroups take turns issuing their "
+                           "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
-    bench_configs=({"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64}),
+    bench_configs=({"pingpong": True}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
