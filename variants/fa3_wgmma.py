@@ -7,8 +7,9 @@ everything else is fa2-tc's forward (cp.async copies one tile ahead, online soft
 masks, dropout, epilogue: kernels_cu/tc_softmax.cuh). The rung below is fa2-tc (mma.sync); TMA, warp
 specialization and ping-pong scheduling are the rungs above.
 Forward parameters: Bc (`block_c`), warpgroups per block (`warpgroups`, Br = 64 x warpgroups),
-`philox_rounds`. The backward is fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync) with its defaults:
-it reads only q, k, v, out and lse, which this forward writes in the same layout.
+`philox_rounds`. The backward (`bwd_kernel`): fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync) with its
+defaults, or the wgmma one (variants/fa3_backward.py); either reads only q, k, v, out and lse, which
+this forward writes in the same layout.
 Features: fa2-tc's (causal with tile skipping, window, block-sparse, GQA/MQA, dropout bit-exact with
 the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and bf16, d a multiple of
 8 up to 128. Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code
@@ -24,6 +25,7 @@ from sandbox.launch import cuda_options
 from sandbox.loader import CompileUnit
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
+from . import fa3_backward
 from .fa2_tc import CTYPE, ITEMSIZE, FA2TensorCore, TCConfig, d_pad
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
@@ -37,7 +39,8 @@ class WgmmaConfig:
     block_c: int = 128
     warpgroups: int = 2
     philox_rounds: int = 10
-    bwd: TCConfig = field(default_factory=TCConfig)     # the backward: fa2-tc's, its defaults
+    bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
+    bwd_kernel: str = "mma"                              # "mma": fa2-tc's kernels; "wgmma": fa3_bwd.cu
 
     # what FA2TensorCore's launch path reads of a forward config
     @property
@@ -75,10 +78,10 @@ class FA3Wgmma(FA2TensorCore):
     name = "fa3-wgmma"
     has_backward = True
     # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, warpgroups)
-    TUNED = {(128, 2), (64, 2), (128, 1), (64, 1)}
+    TUNED = {(128, 2), (64, 2), (128, 1)}
 
-    def configure(self, block_c=128, warpgroups=2, philox_rounds=10):
-        return WgmmaConfig(block_c, warpgroups, philox_rounds, TCConfig(philox_rounds=philox_rounds))
+    def configure(self, block_c=128, warpgroups=2, philox_rounds=10, bwd_kernel="mma"):
+        return WgmmaConfig(block_c, warpgroups, philox_rounds, TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
     def check(self, problem, config, direction):
         if has_gpu() and arch() != "sm_90":
@@ -93,28 +96,45 @@ class FA3Wgmma(FA2TensorCore):
             raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
     def report_configs(self):
-        return [{}, {"block_c": 64}, {"warpgroups": 1}, {"warpgroups": 1, "block_c": 64}, {"warpgroups": 3},
-                {"block_c": 192}]
+        """The defaults, the tuned table, the wgmma backward (every launchable instantiation the CI gate
+        builds; other parameter choices compile on first use)."""
+        return [{}, {"block_c": 64}, {"warpgroups": 1}, {"bwd_kernel": "wgmma"}]
+
+    # fa3_bwd.cu: spill-free at D = 64; at D = 128 the kernel without dropout spills 28 bytes (NVRTC 13)
+    FA3_BWD_TUNED_DIMS = (64,)
 
     def tuned(self, config, unit=None) -> bool:
-        if unit is not None and unit.source != "fa3_wgmma.cu":
+        if unit is not None and unit.source == "fa3_bwd.cu":     # names: fa3_bwd<T, D, R, DROPOUT>
+            return all(int(n.split(",")[1]) in self.FA3_BWD_TUNED_DIMS for n in unit.names)
+        if unit is not None and unit.source not in ("fa3_wgmma.cu", "fa3_ws.cu"):
             return super().tuned(config.bwd, unit)
         return (config.block_c, config.warpgroups) in self.TUNED
 
     def compile_units(self, config):
+        """The forward units of `config`; the backward's with the default config (fa2-tc's kernels, which
+        also hold the wgmma backward's preprocessing) and with bwd_kernel="wgmma" (fa3_bwd.cu)."""
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)
                       if not config.bwd.backward_errors(D)]
+        if config.bwd_kernel == "wgmma":
+            units += [fa3_backward.unit(dt, D, config.philox_rounds) for dt in CAPS.dtypes for D in (64, 128)]
         return units
 
     def backward(self, p, dout, q, k, v, out, lse, config):
+        if config.bwd_kernel == "wgmma":
+            return fa3_backward.backward(self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
 
     def backward_plan(self, p, config, strides):
+        if config.bwd_kernel == "wgmma":
+            return fa3_backward.backward_plan(self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)
 
 
+BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma"), "mma", "backward kernels: mma, fa2-tc's (mma.sync, the default "
+                   "until the wgmma one has the tier's GPU evidence); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, "
+                   "128 keys per block, dQ by atomics)")
 CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
 
 register(Variant(
@@ -124,7 +144,7 @@ register(Variant(
     impl=FA3Wgmma(),
     params=(Param("block_c", (64, 128, 192), 128, "Bc: keys per K/V tile (the n of S = Q K^T's wgmma)"),
             Param("warpgroups", (1, 2, 3), 2, "warpgroups per block, 64 query rows each (Br = 64 x warpgroups)"),
-            philox_rounds_param()),
+            philox_rounds_param(), BWD_KERNEL),
     caps=CAPS, seed_ref="FA3 paper Sec. 3.1 (wgmma); FA2 paper Algorithm 1, Sec. 3.1",
     tags=("tc-ladder",),
     bench_configs=({"block_c": 64}, {"warpgroups": 3}, {"warpgroups": 1}),
