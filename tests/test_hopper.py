@@ -59,3 +59,28 @@ def test_spec_booleans_and_pingpong_envelope():
     with pytest.raises(ValueError, match="pingpong"):
         sandbox.get_variant("fa3", pingpong=True, consumers=3, block_c=64).check(
             sandbox.problem.make_problem(q, q, q), "forward")
+
+
+def test_tma_strides():
+    """What TMA can describe: 16-byte multiples; extent-1 dims get a usable stride; zero strides of
+    broadcast dims and odd rows are refused (the generic path copies those to contiguous arrays)."""
+    from sandbox.tma import usable_strides
+    assert usable_strides((2, 4, 128, 64), (4 * 128 * 64, 128 * 64, 64, 1)) == (128, 128 * 128, 4 * 128 * 128)
+    assert usable_strides((1, 1, 100, 40), (999, 7, 40, 1)) == (80, 8000, 8000)       # extent-1 dims
+    assert usable_strides((2, 4, 128, 64), (0, 128 * 64, 64, 1)) is None               # expanded batch
+    assert usable_strides((2, 4, 128, 60), (4 * 128 * 60, 128 * 60, 60, 1)) is None    # 120-byte rows
+    # (B, N, H, d) memory viewed as (B, H, N, d): strides need not grow with the dim
+    assert usable_strides((2, 4, 128, 64), (128 * 4 * 64, 64, 4 * 64, 1)) == (512, 128, 65536)
+
+
+def test_packed_launch_carries_structs_by_value():
+    """A tma.Opaque argument lands in the parameter array as its bytes; a "map" Slot is 128 bytes."""
+    import ctypes
+    from sandbox.loader import PackedLaunch, Slot
+    from sandbox.tma import Opaque
+    raw = (ctypes.c_uint8 * 128)(*range(128))
+    kernel = type("K", (), {"ptr": 0})()
+    launch = PackedLaunch(kernel, (1,), (32,), 0, (Opaque(ctypes.addressof(raw), 128, raw), Slot("map_q", "map"),
+                                                     np.int32(7)))
+    assert bytes(launch.holders[0]) == bytes(range(128)) and ctypes.sizeof(launch.holders[1]) == 128
+    assert launch.holders[2].value == 7 and not launch.cupy_path
