@@ -77,8 +77,10 @@ class WgmmaConfig:
 class FA3Wgmma(FA2TensorCore):
     name = "fa3-wgmma"
     has_backward = True
-    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, warpgroups)
-    TUNED = {(128, 2), (64, 2), (128, 1)}
+    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, warpgroups). The CI
+    # gate builds the defaults and this table; block_c=64 and warpgroups=1 compiled clean too (this
+    # session's reports) but are left to compile on first use: each Hopper kernel costs seconds of NVRTC.
+    TUNED = {(128, 2)}
 
     def configure(self, block_c=128, warpgroups=2, philox_rounds=10, bwd_kernel="mma"):
         return WgmmaConfig(block_c, warpgroups, philox_rounds, TCConfig(philox_rounds=philox_rounds), bwd_kernel)
@@ -98,7 +100,7 @@ class FA3Wgmma(FA2TensorCore):
     def report_configs(self):
         """The defaults, the tuned table, the wgmma backward (every launchable instantiation the CI gate
         builds; other parameter choices compile on first use)."""
-        return [{}, {"block_c": 64}, {"warpgroups": 1}, {"bwd_kernel": "wgmma"}]
+        return [{}, {"bwd_kernel": "wgmma"}]
 
     # fa3_bwd.cu: spill-free at D = 64; at D = 128 the kernel without dropout spills 28 bytes (NVRTC 13)
     FA3_BWD_TUNED_DIMS = (64,)

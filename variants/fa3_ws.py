@@ -86,8 +86,9 @@ class FA3WarpSpecialized(FA3Wgmma):
     """fa3-wgmma's checks, compile units and (fa2-tc's) backward; its own forward launch: tensor maps
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
 
-    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, consumers, stages)
-    TUNED = {(128, 2, 2), (128, 2, 3)}
+    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, consumers, stages);
+    # stages=3 compiled clean too but is left to compile on first use (the CI gate's time budget)
+    TUNED = {(128, 2, 2)}
 
     def __init__(self, name: str, overlap: bool):
         super().__init__()
@@ -98,9 +99,9 @@ class FA3WarpSpecialized(FA3Wgmma):
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
     def report_configs(self):
-        """The defaults and the tuned table (the CI gate); ping-pong for fa3."""
+        """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
         extra = [{"pingpong": True}] if self.overlap else []
-        return [{}, {"stages": 3}, *extra]
+        return [{}, *extra]
 
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source != "fa3_ws.cu":
