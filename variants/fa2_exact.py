@@ -18,16 +18,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
 
 from sandbox import arrays
-from sandbox.compile_report import SMEM_LIMIT as ARCH_SMEM
+from sandbox.device import SMEM_PER_BLOCK_OPTIN
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 D_PADS = (32, 64, 96, 128)
-SMEM_LIMIT = ARCH_SMEM["sm_90"]   # H100/H200 per-block opt-in maximum
+SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]   # H100/H200 per-block opt-in maximum
 ACC_REGS = 64                    # per-thread accumulator budget (rows x head-dim columns / 32)
 
 
