@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-
 from sandbox import arrays
 from sandbox.device import SMEM_PER_BLOCK_OPTIN
 from sandbox.launch import cuda_options, dropout_args, f32, i32, mask_args, strides4, tile_table
