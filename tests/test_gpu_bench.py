@@ -6,7 +6,6 @@ import time
 import numpy as np
 import pytest
 
-import sandbox
 from sandbox.launch import tile_table
 from sandbox.masks import BlockSparse, classify_tiles
 from sandbox.problem import make_problem

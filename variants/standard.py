@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from sandbox import arrays
 from sandbox.launch import cuda_options, dropout_args, f32, i32, i64, mask_args, strides4
 from sandbox.loader import CompileUnit, launch
