@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from . import api
+from . import api, varlen
 from .masks import BlockSparse
 from .problem import OptionTypeError
 
@@ -185,6 +185,41 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
         out, _ = _Attention.apply(q, k, v, seed, *options)
     else:                               # nothing to differentiate: no autograd node to build
         out, _ = _forward(q, k, v, seed, *options)
+    return out
+
+
+# ---- packed variable-length batches (sandbox/varlen.py)
+
+class _Varlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, options):
+        out, lse = varlen.forward(q, k, v, cu_q, cu_k, **options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cu, ctx.options = (cu_q, cu_k), options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = varlen.backward(dout.contiguous(), q, k, v, out, lse, *ctx.cu, **ctx.options)
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, variant=None,
+                     causal=False, scale=None, window=None, **params):
+    """Attention over packed sequences in flash-attn's varlen layout, differentiable: q (total_q, Hq, d),
+    k and v (total_k, Hkv, d), cu_seqlens_q / cu_seqlens_k host offsets (S + 1). Returns out like q.
+    Every option applies within each sequence (sandbox/varlen.py: one launch per sequence; no dropout)."""
+    if isinstance(variant, str) or variant is None:
+        options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, variant=variant, causal=causal,
+                       scale=scale, window=window, **params)
+    else:
+        raise OptionTypeError(f"variant must be a registered variant's name, got {type(variant).__name__}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, _ = _Varlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+    else:
+        out, _ = varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
     return out
 
 

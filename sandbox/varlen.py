@@ -1,0 +1,157 @@
+"""Variable-length (packed) batches in flash-attn's varlen convention, over any registered variant.
+
+    out, lse = sandbox.varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, variant="fa2-tc", causal=True)
+    dq, dk, dv = sandbox.varlen.backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal=True)
+    out = sandbox.torch.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=True)   # autograd
+
+Layout: q (total_q, Hq, d), k and v (total_k, Hkv, d), the S sequences packed one after another;
+cu_seqlens_q / cu_seqlens_k: S + 1 non-decreasing offsets from 0 to total (sequence s is rows
+cu[s] .. cu[s + 1] - 1); out like q; lse (Hq, total_q) float32 (flash-attn 2's varlen layout).
+Every option means what it means for one sequence of the batch API (sandbox.api): causal and window
+apply within each sequence, bottom-right aligned where its query and key lengths differ, as in
+flash-attn; a query row whose sequence has no keys is a dead row (out 0, lse -inf).
+
+How: one call of the chosen variant per sequence, on zero-copy (1, H, n, d) views of the packed
+arrays (the kernels take any strides with unit stride along d), results copied into the packed
+outputs, every launch on the caller's stream. So the host cost and the launches grow with the
+number of sequences; a single-launch kernel that reads cu_seqlens itself is the faster rung still to
+build. cu_seqlens must be on the host (lists, NumPy arrays, CPU tensors): the per-sequence
+launches need the lengths there, and reading a device array would synchronise the device.
+
+Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
+index being the sequence index; a per-sequence call is batch 0 of its own problem, so it would
+replay another sequence's mask. dropout_p > 0 is refused with a ValueError.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import api, arrays
+from .precision import dtype_name
+
+
+def _lengths(cu, name: str, total: int) -> np.ndarray:
+    """Host int64 offsets, checked: 1-D, starts at 0, non-decreasing, ends at `total`."""
+    if isinstance(cu, (list, tuple, range, np.ndarray)):
+        c = np.asarray(cu)
+    else:
+        kind = arrays.kind_of(cu)
+        if kind != "torch" or cu.device.type != "cpu":
+            raise TypeError(f"{name} must be on the host (a list, a NumPy array or a CPU tensor): the per-sequence "
+                            "launches need the lengths there, and reading a device array would synchronise the device")
+        c = cu.numpy()
+    if c.ndim != 1 or c.size < 2 or not np.issubdtype(c.dtype, np.integer):
+        raise TypeError(f"{name} must be a 1-D integer sequence of S + 1 >= 2 offsets; got dtype {c.dtype}, "
+                        f"shape {c.shape}")
+    c = c.astype(np.int64)
+    if c[0] != 0 or np.any(np.diff(c) < 0) or c[-1] != total:
+        raise ValueError(f"{name} must rise from 0 to the packed length {total} without decreasing; got "
+                         f"{c[:8].tolist()}{' ...' if c.size > 8 else ''} ending at {int(c[-1])}")
+    return c
+
+
+def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p):
+    for x, nm in ((q, "q"), (k, "k"), (v, "v")):
+        if len(x.shape) != 3:
+            raise ValueError(f"{nm} must be packed (total, heads, d); got shape {tuple(x.shape)}")
+    if tuple(k.shape) != tuple(v.shape) or k.shape[2] != q.shape[2]:
+        raise ValueError(f"k and v must share one shape (total_k, Hkv, d) with q's d; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if dropout_p:
+        raise ValueError("dropout_p > 0 is not supported for packed batches yet: the RNG contract keys each element by "
+                         "its sequence index, which a per-sequence launch does not carry (sandbox/varlen.py)")
+    lq, lk = _lengths(cu_q, "cu_seqlens_q", q.shape[0]), _lengths(cu_k, "cu_seqlens_k", k.shape[0])
+    if lq.size != lk.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {lq.size - 1} and "
+                         f"{lk.size - 1}")
+    for got, given, nm in ((np.diff(lq).max(), max_q, "max_seqlen_q"), (np.diff(lk).max(), max_k, "max_seqlen_k")):
+        if given is not None and (not isinstance(given, (int, np.integer)) or given < got):
+            raise ValueError(f"{nm}={given!r} is below the longest sequence ({int(got)}) or not an int")
+    return lq, lk
+
+
+def _view(x, a: int, b: int):
+    """Rows a..b-1 of a packed (total, H, d) array as a (1, H, b - a, d) view."""
+    if arrays.kind_of(x) == "torch":
+        return x[a:b].permute(1, 0, 2).unsqueeze(0)
+    return x[a:b].transpose(1, 0, 2)[None]
+
+
+def _put(dst, a: int, b: int, src) -> None:
+    """Packed rows a..b-1 of dst (total, H, d) <- src (1, H, b - a, d)."""
+    if arrays.kind_of(dst) == "torch":
+        dst[a:b].copy_(src[0].permute(1, 0, 2))
+    else:
+        dst[a:b] = src[0].transpose(1, 0, 2)
+
+
+def _empty(like, shape, dtype=None):
+    kind = arrays.kind_of(like)
+    if kind == "torch":
+        import torch
+        return torch.empty(shape, dtype=like.dtype if dtype is None else getattr(torch, dtype), device=like.device)
+    xp = __import__("cupy") if kind == "cupy" else np
+    return xp.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def _fill(x, value) -> None:
+    if arrays.kind_of(x) == "torch":
+        x.fill_(value)
+    else:
+        x[...] = value
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, variant=None,
+            causal=False, scale=None, dropout_p=0.0, window=None, **params):
+    """(out (total_q, Hq, d) like q, lse (Hq, total_q) float32), every sequence through `variant`."""
+    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
+    out = _empty(q, tuple(q.shape))
+    lse = _empty(q, (q.shape[1], q.shape[0]), "float32")
+    for s in range(lq.size - 1):
+        a, b, c, e = int(lq[s]), int(lq[s + 1]), int(lk[s]), int(lk[s + 1])
+        if a == b:
+            continue
+        if c == e:                                       # no keys: dead rows
+            _fill(out[a:b], 0)
+            _fill(lse[:, a:b], -np.inf)
+            continue
+        res = api.forward(_view(q, a, b), _view(k, c, e), _view(v, c, e), variant=variant, causal=causal,
+                          scale=scale, window=window, **params)
+        _put(out, a, b, res.out)
+        if arrays.kind_of(lse) == "torch":
+            lse[:, a:b].copy_(res.lse[0])
+        else:
+            lse[:, a:b] = res.lse[0]
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
+             variant=None, causal=False, scale=None, dropout_p=0.0, window=None, **params):
+    """(dq, dk, dv) like q, k, v: the explicit-form backward of each sequence with its out and lse."""
+    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
+                         f"{tuple(out.shape)}")
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]) or dtype_name(lse) != "float32":
+        raise ValueError(f"lse must be float32 (Hq, total_q) = {(q.shape[1], q.shape[0])}; got {dtype_name(lse)} "
+                         f"{tuple(lse.shape)}")
+    if scale is None:
+        scale = 1.0 / float(np.sqrt(q.shape[2]))
+    dq, dk, dv = _empty(q, tuple(q.shape)), _empty(k, tuple(k.shape)), _empty(v, tuple(v.shape))
+    _fill(dq, 0)
+    _fill(dk, 0)
+    _fill(dv, 0)
+    for s in range(lq.size - 1):
+        a, b, c, e = int(lq[s]), int(lq[s + 1]), int(lk[s]), int(lk[s + 1])
+        if a == b or c == e:                             # nothing flows: zero gradients
+            continue
+        lse_s = lse[:, a:b][None]
+        g = api.backward(_view(dout, a, b), q=_view(q, a, b), k=_view(k, c, e), v=_view(v, c, e),
+                         out=_view(out, a, b), lse=lse_s, variant=variant, causal=causal, scale=scale,
+                         window=window, **params)
+        _put(dq, a, b, g[0])
+        _put(dk, c, e, g[1])
+        _put(dv, c, e, g[2])
+    return dq, dk, dv

@@ -1,0 +1,79 @@
+"""Packed variable-length batches (sandbox/varlen.py) against the oracle per sequence, on the CPU
+with a Numba variant under the simulator; sandbox.torch.varlen_attention's gradients; the checks."""
+import numpy as np
+import pytest
+
+from sandbox import oracle, tolerance, varlen
+
+VARIANT = "numba-rowwise"        # a simulator variant: causal, window, GQA, backward
+
+
+def _seq(x, a, b):
+    return x[a:b].transpose(1, 0, 2)[None]
+
+
+def _packed(cu_q, cu_k, hq=4, hkv=2, d=8, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((cu_q[-1], hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], hkv, d)).astype(np.float32) for _ in range(2))
+    return q, k, v, rng.standard_normal(q.shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("opts", [{}, {"causal": True}, {"window": (3, 0)}], ids=["full", "causal", "window"])
+def test_each_sequence_is_its_own_problem(opts):
+    """Sequences of different lengths, Nq != Nk within one, an empty query span, a sequence without
+    keys (dead rows: out 0, lse -inf): forward and backward equal the oracle on each sequence."""
+    cu_q, cu_k = [0, 5, 5, 12, 20], [0, 7, 9, 9, 20]
+    q, k, v, dout = _packed(cu_q, cu_k)
+    out, lse = varlen.forward(q, k, v, cu_q, cu_k, variant=VARIANT, **opts)
+    dq, dk, dv = varlen.backward(dout, q, k, v, out, lse, cu_q, cu_k, variant=VARIANT, **opts)
+    assert out.shape == q.shape and lse.shape == (4, 20) and lse.dtype == np.float32
+    for s in range(4):
+        a, b, c, e = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        if c == e:
+            assert not out[a:b].any() and np.all(np.isneginf(lse[:, a:b]))
+            continue
+        if a == b:
+            assert not dk[c:e].any() and not dv[c:e].any()       # keys nobody attends to
+            continue
+        ro, rl = oracle.forward(_seq(q, a, b), _seq(k, c, e), _seq(v, c, e), **opts)
+        assert tolerance.compare("out", _seq(out, a, b), ro, "float32").ok
+        assert tolerance.compare("lse", lse[:, a:b][None], rl, "float32").ok
+        grads = oracle.backward(_seq(dout, a, b), _seq(q, a, b), _seq(k, c, e), _seq(v, c, e), **opts)
+        for name, got, ref in zip(("dq", "dk", "dv"), (_seq(dq, a, b), _seq(dk, c, e), _seq(dv, c, e)), grads):
+            assert tolerance.compare(name, got, ref, "float32").ok, (s, name)
+
+
+def test_torch_entry_point_gradients():
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("sandbox.torch")
+    cu = [0, 6, 16]
+    q, k, v, dout = (torch.from_numpy(x) for x in _packed(cu, cu, hq=2, hkv=2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = st.varlen_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), cu, causal=True, variant=VARIANT)
+    out.backward(dout)
+    ref_out, _ = oracle.forward(_seq(q.detach().numpy(), 6, 16), _seq(k.detach().numpy(), 6, 16),
+                                _seq(v.detach().numpy(), 6, 16), causal=True)
+    assert tolerance.compare("out", _seq(out.detach().numpy(), 6, 16), ref_out, "float32").ok
+    ref = oracle.backward(_seq(dout.numpy(), 0, 6), *(_seq(x.detach().numpy(), 0, 6) for x in (q, k, v)), causal=True)
+    assert tolerance.compare("dq", _seq(q.grad.numpy(), 0, 6), ref[0], "float32").ok
+
+
+@pytest.mark.parametrize("cu_q,cu_k,kwargs,err,match", [
+    ([0, 5, 4], [0, 3, 8], {}, ValueError, "cu_seqlens_q"),                     # decreasing
+    ([0, 4, 8], [0, 8], {}, ValueError, "as many sequences"),
+    ([0, 4, 9], [0, 3, 8], {}, ValueError, "packed length 8"),
+    ([0.0, 8.0], [0, 8], {}, TypeError, "integer"),
+    ([0, 4, 8], [0, 3, 8], {"dropout_p": 0.1}, ValueError, "dropout_p"),
+    ([0, 4, 8], [0, 3, 8], {"max_seqlen_q": 3}, ValueError, "max_seqlen_q"),
+])
+def test_checks_before_any_launch(cu_q, cu_k, kwargs, err, match):
+    q, k, v, _ = _packed([0, 8], [0, 8])
+    with pytest.raises(err, match=match):
+        varlen.forward(q, k, v, cu_q, cu_k, variant=VARIANT, **kwargs)
+
+
+def test_packed_shapes_are_checked():
+    q, k, v, _ = _packed([0, 8], [0, 8])
+    with pytest.raises(ValueError, match="packed"):
+        varlen.forward(q[None], k, v, [0, 8], [0, 8], variant=VARIANT)
