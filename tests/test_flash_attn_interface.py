@@ -1,0 +1,78 @@
+"""sandbox.flash_attn (flash-attn's interface) on the CPU: a Numba variant under the simulator against
+PyTorch's SDPA in flash-attn's (B, N, H, d) layout, with gradients; what it refuses."""
+import pytest
+
+torch = pytest.importorskip("torch")
+fa = pytest.importorskip("sandbox.flash_attn")
+F = torch.nn.functional
+
+VARIANT = "numba-rowwise"
+
+
+def _sdpa(q, k, v, causal=False, mask=None):
+    """The reference in (B, N, H, d): SDPA on (B, H, N, d) with GQA expanded."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal).transpose(1, 2)
+
+
+def _inputs(b=2, nq=9, nk=9, hq=4, hkv=2, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, nq, hq, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(b, nk, hkv, d, generator=g, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_matches_sdpa_with_gradients(causal):
+    q, k, v = _inputs()
+    out = fa.flash_attn_func(q, k, v, causal=causal, variant=VARIANT)
+    ref = _sdpa(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    refs = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_window_size_is_flash_attns():
+    """Query i sees keys i + Nk - Nq - left .. i + Nk - Nq + right; -1 is unbounded."""
+    q, k, v = _inputs(nq=6, nk=10)
+    i = torch.arange(6)[:, None]
+    j = torch.arange(10)[None, :]
+    rel = j - (i + 4)
+    mask = (rel >= -2) & (rel <= 1)
+    out = fa.flash_attn_func(q, k, v, window_size=(2, 1), variant=VARIANT)
+    torch.testing.assert_close(out, _sdpa(q, k, v, mask=mask), rtol=1e-5, atol=1e-5)
+    out = fa.flash_attn_func(q, k, v, window_size=(-1, -1), variant=VARIANT)
+    torch.testing.assert_close(out, _sdpa(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_forms():
+    q, k, v = _inputs(hq=2, hkv=2)
+    qkv = torch.stack([q, k, v], dim=2)
+    kv = torch.stack([k, v], dim=2)
+    ref = _sdpa(q, k, v, causal=True)
+    torch.testing.assert_close(fa.flash_attn_qkvpacked_func(qkv, causal=True, variant=VARIANT), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fa.flash_attn_kvpacked_func(q, kv, causal=True, variant=VARIANT), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_is_each_sequence_alone():
+    q, k, v = _inputs(b=1, nq=10, nk=10, hq=2, hkv=2)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 6, 6, causal=True, variant=VARIANT)
+    for a, b in ((0, 4), (4, 10)):
+        ref = _sdpa(q[:, a:b], k[:, a:b], v[:, a:b], causal=True)[0]
+        torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"softcap": 30.0}, "softcap"), ({"alibi_slopes": torch.ones(4)}, "alibi"),
+                                          ({"return_attn_probs": True}, "probabilities"),
+                                          ({"window_size": 3}, "window_size")])
+def test_refusals_name_the_argument(kwargs, match):
+    q, k, v = _inputs()
+    with pytest.raises((ValueError, TypeError), match=match):
+        fa.flash_attn_func(q, k, v, variant=VARIANT, **kwargs)
