@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from . import decode
 from . import torch as st
 from .problem import OptionTypeError
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+           "flash_attn_with_kvcache"]
 
 
 def _window(window_size):
@@ -88,3 +90,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return st.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                variant=_variant(variant, deterministic, q.dtype), causal=causal,
                                scale=softmax_scale, window=_window(window_size), **params)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            num_splits=1, return_softmax_lse=False, *, variant=None, **params):
+    """Decoding against a KV cache (sandbox/decode.py: split-KV over any variant, pages gathered per
+    chunk): q (B, Nq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d) or paged (pages, page_size, Hkv, d) with
+    block_table (B, pages per sequence); k, v (B, Nnew, Hkv, d) appended in place at cache_seqlens (host
+    ints; None: the whole cache). Returns out (B, Nq, Hq, d) [, lse (B, Hq, Nq)]. No autograd (inference)."""
+    if softcap or alibi_slopes is not None:
+        _refuse(softcap, alibi_slopes, False)
+    if _window(window_size) is not None:
+        raise ValueError("window_size is not supported by the KV-cache path yet (pass (-1, -1))")
+    B = q.shape[0]
+    if cache_seqlens is None:
+        if block_table is not None:
+            raise ValueError("a paged cache needs cache_seqlens")
+        cache_seqlens = [k_cache.shape[1] - (0 if k is None else k.shape[1])] * B
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = [cache_seqlens] * B
+    t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731  (B, N, H, d) <-> (B, H, N, d)
+    with torch.no_grad():
+        out, lse = decode.forward(t(q), t(k_cache), t(v_cache), cache_seqlens, block_table=block_table, k_new=t(k),
+                                  v_new=t(v), causal=causal, scale=softmax_scale, num_splits=num_splits,
+                                  variant=variant, **params)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out

@@ -76,3 +76,37 @@ def test_refusals_name_the_argument(kwargs, match):
     q, k, v = _inputs()
     with pytest.raises((ValueError, TypeError), match=match):
         fa.flash_attn_func(q, k, v, variant=VARIANT, **kwargs)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_with_kvcache_appends_and_attends(paged):
+    """One decoding step: two new keys appended in place at cache_seqlens, then causal attention of
+    the last two queries over each sequence's keys, as SDPA on the gathered sequence."""
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, page = 2, 4, 2, 8, 4
+    lens = [3, 9]
+    seqs_k = [torch.randn(n + 2, hkv, d, generator=g) for n in lens]
+    seqs_v = [torch.randn(n + 2, hkv, d, generator=g) for n in lens]
+    q = torch.randn(b, 2, hq, d, generator=g)
+    k_new = torch.stack([s[-2:] for s in seqs_k])
+    v_new = torch.stack([s[-2:] for s in seqs_v])
+    if paged:
+        table = torch.tensor([[5, 0, 2], [1, 4, 3]], dtype=torch.int32)
+        k_cache, v_cache = torch.zeros(6, page, hkv, d), torch.zeros(6, page, hkv, d)
+        for i, n in enumerate(lens):
+            for pos in range(n):
+                k_cache[table[i, pos // page], pos % page] = seqs_k[i][pos]
+                v_cache[table[i, pos // page], pos % page] = seqs_v[i][pos]
+    else:
+        table = None
+        k_cache, v_cache = torch.zeros(b, 12, hkv, d), torch.zeros(b, 12, hkv, d)
+        for i, n in enumerate(lens):
+            k_cache[i, :n], v_cache[i, :n] = seqs_k[i][:n], seqs_v[i][:n]
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=torch.tensor(lens),
+                                     block_table=table, causal=True, num_splits=2, variant=VARIANT)
+    for i in range(b):
+        ref = _sdpa(q[i:i + 1], seqs_k[i][None], seqs_v[i][None], causal=False,
+                    mask=torch.arange(lens[i] + 2)[None, :] <= torch.arange(2)[:, None] + lens[i])
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+    if not paged:
+        torch.testing.assert_close(k_cache[1, 9:11], seqs_k[1][-2:])

@@ -1,0 +1,85 @@
+"""sandbox.decode on the CPU (a Numba variant under the simulator) against the oracle: contiguous and
+paged caches, keys appended in place, the key range split and merged by log-sum-exp, causal decoding."""
+import numpy as np
+import pytest
+
+from sandbox import decode, oracle, tolerance
+
+VARIANT = "numba-rowwise"
+B, HQ, HKV, D, PAGE = 3, 4, 2, 8, 4
+
+
+def _case(nq, lens, nnew, paged, seed=0):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    full_k, full_v = f(B, HKV, 24, D), f(B, HKV, 24, D)       # each sequence's keys, for the reference
+    q, k_new, v_new = f(B, HQ, nq, D), f(B, HKV, nnew, D), f(B, HKV, nnew, D)
+    for b, n in enumerate(lens):
+        full_k[b, :, n:n + nnew], full_v[b, :, n:n + nnew] = k_new[b], v_new[b]
+    if not paged:
+        k_cache, v_cache = full_k.copy(), full_v.copy()
+        for b, n in enumerate(lens):
+            k_cache[b, :, n:n + nnew] = v_cache[b, :, n:n + nnew] = 7.0     # overwritten by the append
+            k_cache[b, :, n + nnew:] = v_cache[b, :, n + nnew:] = np.nan     # past the sequence: never read
+        return q, k_new, v_new, k_cache, v_cache, None, full_k, full_v
+    pages = rng.permutation(B * 6).reshape(B, 6)               # 6 pages of 4 keys per sequence, shuffled
+    k_cache = np.full((B * 6, HKV, PAGE, D), np.nan, np.float32)
+    v_cache = k_cache.copy()
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            k_cache[pages[b, pos // PAGE], :, pos % PAGE] = full_k[b, :, pos]
+            v_cache[pages[b, pos // PAGE], :, pos % PAGE] = full_v[b, :, pos]
+    return q, k_new, v_new, k_cache, v_cache, pages, full_k, full_v
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal,nq,splits", [(False, 1, 1), (False, 1, 3), (True, 3, 3)])
+def test_decode_matches_the_oracle(paged, causal, nq, splits):
+    lens, nnew = [0, 5, 13], 2
+    q, k_new, v_new, kc, vc, pages, full_k, full_v = _case(nq, lens, nnew, paged)
+    out, lse = decode.forward(q, kc, vc, lens, block_table=pages, k_new=k_new, v_new=v_new, causal=causal,
+                              num_splits=splits, variant=VARIANT)
+    assert out.shape == q.shape and lse.shape == (B, HQ, nq) and lse.dtype == np.float32
+    for b, n in enumerate(lens):
+        L = n + nnew
+        ref_out, ref_lse = oracle.forward(q[b:b + 1], full_k[b:b + 1, :, :L], full_v[b:b + 1, :, :L], causal=causal)
+        assert tolerance.compare("out", out[b:b + 1], ref_out, "float32").ok, b
+        assert tolerance.compare("lse", lse[b:b + 1], ref_lse, "float32").ok, b
+
+
+def test_append_writes_in_place():
+    lens = [0, 5, 13]
+    q, k_new, v_new, kc, vc, pages, full_k, _ = _case(1, lens, 2, paged=True)
+    decode.forward(q, kc, vc, lens, block_table=pages, k_new=k_new, v_new=v_new, variant=VARIANT)
+    for b, n in enumerate(lens):
+        for t in range(2):
+            pos = n + t
+            np.testing.assert_array_equal(kc[pages[b, pos // PAGE], :, pos % PAGE], k_new[b, :, t])
+
+
+def test_merge_of_key_splits_and_of_nothing():
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 3, 8)) for _ in range(3))
+    full = oracle.forward(q, k, v)
+    parts = [oracle.forward(q, k[:, :, :1], v[:, :, :1]), oracle.forward(q, k[:, :, 1:], v[:, :, 1:])]
+    out, lse = decode.merge([p[0] for p in parts], [p[1] for p in parts])
+    np.testing.assert_allclose(out, full[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, full[1], rtol=1e-5, atol=1e-6)
+    dead = np.full((1, 2, 3), -np.inf)
+    out, lse = decode.merge([np.ones((1, 2, 3, 8)), np.ones((1, 2, 3, 8))], [dead, dead])
+    assert not out.any() and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    ({"cache_seqlens": [0, 1]}, ValueError, "cache_seqlens"),
+    ({"cache_seqlens": [0, 1, 23]}, ValueError, "room"),
+    ({"num_splits": 0}, ValueError, "num_splits"),
+    ({"k_new": np.zeros((B, HKV, 1, D), np.float32)}, ValueError, "k_new and v_new"),
+])
+def test_checks(kwargs, err, match):
+    q, k_new, v_new, kc, vc, _, _, _ = _case(1, [0, 5, 13], 2, paged=False)
+    args = {"cache_seqlens": [0, 5, 13], "k_new": k_new, "v_new": v_new, **kwargs}
+    if "k_new" in kwargs:
+        args["v_new"] = None
+    with pytest.raises(err, match=match):
+        decode.forward(q, kc, vc, variant=VARIANT, **args)
