@@ -69,8 +69,10 @@ def _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, 
 
 
 def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
-            window=None, block_mask=None, **params) -> Result:
-    if block_mask is None and fastpath.is_torch_cuda(q, k, v):
+            window=None, block_mask=None, score_mod=None, mask_mod=None, **params) -> Result:
+    """Result(out, lse, rng). score_mod / mask_mod: sandbox.modifiers.ScoreMod / MaskMod (issue 18),
+    for variants whose capabilities list them; the plan path does not take them."""
+    if block_mask is None and score_mod is None and mask_mod is None and fastpath.is_torch_cuda(q, k, v):
         plan = _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, offset)
         if plan is not None and plan.forward is not None:
             check_rng(seed, offset)
@@ -78,7 +80,8 @@ def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed
             return Result(out, lse, (seed, offset), fastpath.problem_for(plan, seed, offset), plan.bound,
                           (q, k, v, out, lse), {}, plan)
     bound = _resolve(variant, params, q)
-    problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask)
+    problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask,
+                           score_mod, mask_mod)
     bound.check(problem, "forward")
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
@@ -90,10 +93,10 @@ def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed
 
 
 def attention(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
-              window=None, block_mask=None, **params):
-    """softmax(mask(scale * q k^T)) (with dropout) @ v; returns out only."""
+              window=None, block_mask=None, score_mod=None, mask_mod=None, **params):
+    """softmax(mask(score_mod(scale * q k^T))) (with dropout) @ v; returns out only."""
     return forward(q, k, v, variant, causal, scale, dropout_p, seed, offset, window, block_mask,
-                   **params).out
+                   score_mod, mask_mod, **params).out
 
 
 class _Unset:
@@ -106,7 +109,7 @@ _UNSET = _Unset()
 
 def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v=None, out=None,
              lse=None, rng=None, causal=_UNSET, scale=_UNSET, dropout_p=_UNSET, window=_UNSET,
-             block_mask=_UNSET, **params):
+             block_mask=_UNSET, score_mod=_UNSET, mask_mod=_UNSET, **params):
     """(dq, dk, dv) for loss = sum(out * dout); the dropout mask is replayed from rng = (seed, offset).
 
     Either pass the forward's Result (its options are reused; an option passed again must equal the
@@ -114,7 +117,8 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
     the forward's), or q, k, v, out, lse and the same options as the forward, with `rng` whenever
     dropout_p > 0.
     """
-    options = {"causal": causal, "scale": scale, "dropout_p": dropout_p, "window": window, "block_mask": block_mask}
+    options = {"causal": causal, "scale": scale, "dropout_p": dropout_p, "window": window, "block_mask": block_mask,
+               "score_mod": score_mod, "mask_mod": mask_mod}
     if res is not None:
         return _backward_from_result(dout, res, variant, options, params, q, k, v, out, lse, rng)
     if any(x is None for x in (q, k, v, out, lse)):
@@ -128,7 +132,8 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
                              "without it the dropout mask cannot be replayed")
         rng = (0, 0)
     seed, offset = _rng_pair(rng)
-    if opts["block_mask"] is None and fastpath.is_torch_cuda(dout, q, k, v, out, lse):
+    no_mods = opts["block_mask"] is None and opts["score_mod"] is None and opts["mask_mod"] is None
+    if no_mods and fastpath.is_torch_cuda(dout, q, k, v, out, lse):
         plan = _plan_for(q, k, v, variant, params, opts["causal"], opts["scale"], opts["dropout_p"],
                          opts["window"], seed, offset)
         if plan is not None and plan.forward is not None:
@@ -140,7 +145,7 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
                 return fastpath.run_backward(launch, problem, dout, q, k, v, out, lse.contiguous())
     bound = _resolve(variant, params, q)
     problem = make_problem(q, k, v, opts["causal"], opts["scale"], opts["dropout_p"], seed, offset,
-                           opts["window"], opts["block_mask"])
+                           opts["window"], opts["block_mask"], opts["score_mod"], opts["mask_mod"])
     bound.check(problem, "backward")          # before any array moves to the device
     _check_out_lse(out, lse, problem)
     with arrays.caller_stream(dout):
@@ -193,13 +198,13 @@ def _backward_from_result(dout, res, variant, options, params, q, k, v, out, lse
     for name, value in options.items():
         if value is _UNSET:
             continue
-        fwd = problem.block_mask if name == "block_mask" else getattr(problem, name)
+        fwd = getattr(problem, name)
         if name == "scale" and value is not None:
             same = float(value) == fwd
         elif name == "window" and value is not None:
             same = tuple(value) == fwd
-        else:
-            same = value is fwd if name == "block_mask" else value == fwd
+        else:       # masks and modifiers: the forward's own object
+            same = value is fwd if name in ("block_mask", "score_mod", "mask_mod") else value == fwd
         if not same:
             raise ValueError(f"backward: {name}={value!r} differs from the forward's {name}={fwd!r}; "
                              "the backward reuses the forward's options (omit it)")

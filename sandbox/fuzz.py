@@ -4,6 +4,12 @@ support, and the check of one case under the tolerance rule (docs/ARCHITECTURE.m
 Awkward inputs on purpose: length 1, lengths that are not tile multiples, Nq != Nk, rows that see
 no key (causal with Nq > Nk, narrow windows, sparse layouts), large logits and a non-zero mean.
 Used by tests/ (CPU simulator and GPU suites) and by `python -m sandbox fuzz`.
+
+Score and mask modifiers (sandbox/modifiers.py) are drawn for variants whose capabilities list them:
+the built-ins with random parameters (SCORE_MODS, MASK_MODS), or the factories a caller passes (a
+user's modifier). The kernel runs the modifier's scalar form, the oracle its NumPy form, so a
+mismatch between the two shows as a failed comparison; check_case also compares the two forms
+directly (and the derivative with a finite difference) as the "score_mod" / "mask_mod" verdicts.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import api, oracle, tolerance
+from . import api, modifiers, oracle, tolerance
 from .masks import BlockSparse
 from .precision import numpy_dtype
 from .registry import BoundVariant
@@ -58,8 +64,47 @@ class Case:
         return tuple(x.astype(npdt) for x in (q, k, v, dout))
 
 
-def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits()):
-    """Hypothesis strategy of Cases within `bound`'s capabilities and `limits`."""
+# Modifier factories: (rng, B, Hq, Nq, Nk) -> a modifier that fits the problem.
+def _heads(rng, Hq):
+    return int(rng.choice([1, Hq]))
+
+
+def _relative_bias(rng, B, Hq, Nq, Nk):
+    dist = int(rng.integers(0, 4))
+    return modifiers.relative_bias(rng.standard_normal((_heads(rng, Hq), 2 * dist + 1)), dist)
+
+
+SCORE_MODS = (
+    lambda rng, B, Hq, Nq, Nk: modifiers.softcap(float(rng.choice([0.5, 2.0, 20.0]))),
+    lambda rng, B, Hq, Nq, Nk: modifiers.alibi(rng.uniform(-1.0, 0.5, _heads(rng, Hq))),
+    _relative_bias,
+    lambda rng, B, Hq, Nq, Nk: modifiers.sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
+    lambda rng, B, Hq, Nq, Nk: modifiers.softcap(3.0).with_sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
+)
+
+
+def _ids(rng, rows, n):
+    """Sorted document ids in 0..2 (packed sequences), shape (rows, n)."""
+    return np.sort(rng.integers(0, 3, (rows, n)), axis=1)
+
+
+def _document(rng, B, Hq, Nq, Nk):
+    rows = int(rng.choice([1, B]))
+    return modifiers.document(_ids(rng, rows, Nq), _ids(rng, rows, Nk))
+
+
+MASK_MODS = (
+    _document,
+    lambda rng, B, Hq, Nq, Nk: modifiers.prefix_lm(rng.integers(0, Nk + 1, int(rng.choice([1, B])))),
+)
+
+
+def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods=None, mask_mods=None):
+    """Hypothesis strategy of Cases within `bound`'s capabilities and `limits`.
+
+    score_mods / mask_mods: modifier factories (rng, B, Hq, Nq, Nk) -> modifier. None: the built-ins
+    (SCORE_MODS, MASK_MODS), drawn in about half the cases where the variant has the capability;
+    given: one of them in every case (the caller asks for its modifier to be tested)."""
     from hypothesis import strategies as st
 
     caps = bound.variant.caps
@@ -96,6 +141,12 @@ def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits()):
             opts["offset"] = draw(st.integers(0, 2**32 - 1))
         if draw(st.integers(0, 4)) == 0:
             opts["scale"] = draw(st.sampled_from([0.05, 1.0, 2.5, -0.7]))
+        for key, given, default, able in (("score_mod", score_mods, SCORE_MODS, caps.score_mod),
+                                          ("mask_mod", mask_mods, MASK_MODS, caps.mask_mod)):
+            if given is not None or (able and draw(st.booleans())):
+                factory = draw(st.sampled_from(list(given if given is not None else default)))
+                rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+                opts[key] = factory(rng, B, Hq, Nq, Nk)
         logit_scale = draw(st.sampled_from([1.0, 1.0, big]))
         mean = draw(st.sampled_from([0.0, 0.0, 0.5]))
         return Case(B, Hq, Hkv, Nq, Nk, d, dtype, opts, draw(st.integers(0, 2**31)), logit_scale, mean)
@@ -127,8 +178,22 @@ def check_case(bound: BoundVariant, case: Case, direction: str = "forward") -> l
         for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
             verdicts.append(tolerance.compare(name, _host(g), r, case.dtype, n, "grad", terms.get(name, 0.0),
                                               rounding.get(name, 0.0)))
+    verdicts += _twin_verdicts(case)
     EXAMPLES[f"{bound.name}/{case.dtype}/{direction}"] += 1
     return verdicts
+
+
+def _twin_verdicts(case) -> list[tolerance.Verdict]:
+    """The case's modifiers: scalar form against NumPy form (and the derivative against a finite
+    difference), on a problem of the case's shape (sandbox.modifiers.twin_errors)."""
+    out = []
+    for key in ("score_mod", "mask_mod"):
+        mod = case.options.get(key)
+        if mod is not None:
+            # at most 8 x 8 positions: the scalar form runs in a Python loop
+            errs = modifiers.twin_errors(mod, case.B, case.Hq, min(case.Nq, 8), min(case.Nk, 8), seed=case.data_seed)
+            out.append(tolerance.Verdict(key, not errs, float(len(errs)), 0.0, "; ".join(errs)))
+    return out
 
 
 def assert_case(bound, case, direction="forward"):

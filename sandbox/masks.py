@@ -13,9 +13,14 @@ Tile classes (for a kernel's own Br x Bc tiles, any size against any mask block 
     FULL    every element visible: no per-element masking
     PARTIAL some visible: the element predicate is applied
 The classification is exact (tests check it against the element mask).
+
+A mask modifier (sandbox/modifiers.py MaskMod) is ANDed with the three; `classify_tiles_mod` derives
+the tile classes of the combination by evaluating the predicate on the host, one row of tiles at a
+time, cached per (mask, shape, tile size, band, block mask).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,3 +149,45 @@ def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
     cls = np.where(~any_visible, TILE_EMPTY,
                    np.where(all_blocks_on & band_full, TILE_FULL, TILE_PARTIAL))
     return cls.astype(np.int8)
+
+
+def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int, block_c: int,
+                       band: Band = Band(), block_mask: BlockSparse | None = None) -> np.ndarray:
+    """int8 [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes of band AND block_mask AND mask_mod (exact).
+
+    Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
+    the head. Cached per (mask_mod, shape, tile size, band, block mask) by identity: a loop over one
+    mask classifies once. The predicate is evaluated for every element, Br rows at a time (host
+    memory O(B H Br Nk)), so the cost is that of one pass over the score matrix."""
+    return _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_mask):
+    nr, nc = -(-Nq // block_r), -(-Nk // block_c)
+    rows = []
+    for tr in range(nr):
+        r = np.arange(tr * block_r, min((tr + 1) * block_r, Nq))
+        vis = mask_mod.visible(B, Hq, r, Nk)                      # [Bm, Hm, rows, Nk]
+        dij = np.arange(Nk)[None, :] - r[:, None]
+        vis = vis & ((dij >= band.lo) & (dij <= band.hi))[None, None]
+        if block_mask is not None:
+            bq, bk = block_mask.block
+            vis = vis & block_mask.layout[:, r // bq][:, :, np.arange(Nk) // bk][None]
+        rows.append(_tile_row_classes(vis, nc, block_c))
+    Bm = max(x.shape[0] for x in rows)
+    Hm = max(x.shape[1] for x in rows)
+    out = np.stack([np.broadcast_to(x, (Bm, Hm, nc)) for x in rows], axis=2).astype(np.int8)
+    out.setflags(write=False)
+    return out
+
+
+def _tile_row_classes(vis: np.ndarray, nc: int, block_c: int) -> np.ndarray:
+    """[Bm, Hm, nc] classes of one row of tiles from its element visibility [Bm, Hm, rows, Nk]."""
+    pad = nc * block_c - vis.shape[-1]
+    any_on = np.pad(vis, [(0, 0)] * 3 + [(0, pad)], constant_values=False)
+    all_on = np.pad(vis, [(0, 0)] * 3 + [(0, pad)], constant_values=True)
+    shape = vis.shape[:2] + (vis.shape[2], nc, block_c)
+    some = any_on.reshape(shape).any(axis=(2, 4))
+    every = all_on.reshape(shape).all(axis=(2, 4))
+    return np.where(~some, TILE_EMPTY, np.where(every, TILE_FULL, TILE_PARTIAL))

@@ -28,6 +28,16 @@ NaN in v[j] also reaches, as 0 * NaN, rows that do not see key j (those in its t
 all); only numba-rowwise skips masked keys. tests/test_gpu_nan.py puts NaN in q and k only.
 Infinite inputs are out of scope.
 
+Score and mask modifiers (sandbox/modifiers.py, issue 18): `score_mod` maps the scaled score
+s = scale * q.k (what flex attention's score_mod sees) to the logit the softmax uses, and may add a
+per-head sink logit to the softmax denominator; `mask_mod` is ANDed with causal, window and
+block_mask. With them the forward is
+    S_ij = mod(scale * q_i . k_j, b, h, i, j)  where visible (causal, window, block_mask, mask_mod)
+    lse_i = log(sum_j exp(S_ij) + exp(sink_h)),  P_ij = exp(S_ij - lse_i)   (sink_h = -inf without sinks)
+and the backward multiplies dS by mod'(s) at the visible entries before forming dQ and dK
+(dS_raw = dS_mod * mod'(s)). A row with no visible key keeps out = 0; its lse is sink_h (-inf without
+sinks).
+
 `precision="float16"` (or "bfloat16", "float32") is the same-precision mode used by the
 tensor-core tolerance rule: inputs and the materialised intermediates (S, P, O; dP, dS and the
 gradients) are rounded to that dtype, as a naive kernel in that precision would store them.
@@ -37,6 +47,7 @@ from __future__ import annotations
 import numpy as np
 
 from .masks import element_mask
+from .modifiers import index_grids
 from .philox import dropout_mask
 from .precision import round_to
 
@@ -54,19 +65,46 @@ def _prepare(q, k, v, scale):
     return q, np.repeat(k, g, axis=1), np.repeat(v, g, axis=1), scale, g
 
 
-def _probabilities(q, k, scale, causal, window, block_mask, rnd):
-    """(P [B,H,Nq,Nk], lse [B,H,Nq], visible [Hm,Nq,Nk], S) in float64 with dead rows as zeros."""
+def _visible(B, H, Nq, Nk, causal, window, block_mask, mask_mod):
+    """bool [Bm, Hm, Nq, Nk]: causal AND window AND block_mask AND mask_mod."""
+    vis = element_mask(H, Nq, Nk, causal, window, block_mask)[None]
+    if mask_mod is not None:
+        vis = vis & mask_mod.visible(B, H, np.arange(Nq), Nk)
+    return vis
+
+
+def _raw_scores(q, k, scale, rnd):
+    return rnd(np.einsum("bhid,bhjd->bhij", q, k) * scale)   # one rounding, as a GEMM epilogue does
+
+
+def _modified(s, score_mod, rnd):
+    """mod(s) on every entry (masked ones are replaced by -inf afterwards), rounded like s."""
+    if score_mod is None:
+        return s
+    return rnd(score_mod.apply(s, *index_grids(*s.shape[:2], np.arange(s.shape[2]), s.shape[3])))
+
+
+def _mod_derivative(s, score_mod):
+    """mod'(s) [B, H, Nq, Nk] (the NumPy derivative), 1 without a modifier."""
+    if score_mod is None:
+        return 1.0
+    return score_mod.derivative(s, *index_grids(*s.shape[:2], np.arange(s.shape[2]), s.shape[3]))
+
+
+def _probabilities(q, k, scale, causal, window, block_mask, rnd, score_mod=None, mask_mod=None):
+    """(P [B,H,Nq,Nk], lse [B,H,Nq], visible [Bm,Hm,Nq,Nk]) in float64 with dead rows as zeros."""
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    s = rnd(np.einsum("bhid,bhjd->bhij", q, k) * scale)      # one rounding, as a GEMM epilogue does
-    vis = element_mask(H, Nq, Nk, causal, window, block_mask)[None]
+    s = _modified(_raw_scores(q, k, scale, rnd), score_mod, rnd)
+    vis = _visible(B, H, Nq, Nk, causal, window, block_mask, mask_mod)
+    sink = -np.inf if score_mod is None else score_mod.sink_logits(H)      # [1, H, 1, 1] or -inf
     s = np.where(vis, s, -np.inf)               # before the max: a NaN at a masked position is dropped
-    m = s.max(axis=-1, keepdims=True)           # NaN where a visible score is NaN (np.max propagates it)
+    m = np.maximum(s.max(axis=-1, keepdims=True), sink)   # NaN where a visible score is NaN (max propagates it)
     alive = m != -np.inf                        # NaN is not a dead row: only a row with no visible key is
     m_safe = np.where(alive, m, 0.0)
     with np.errstate(invalid="ignore"):
         e = np.where(vis, np.exp(s - m_safe), 0.0)   # masked entries 0, also in a NaN row (exp(-inf - NaN))
-    l = e.sum(axis=-1, keepdims=True)
+        l = e.sum(axis=-1, keepdims=True) + np.exp(sink - m_safe)   # the sink joins the denominator only
     p = rnd(np.where(alive & vis, e / np.where(alive, l, 1.0), 0.0))
     with np.errstate(divide="ignore"):
         lse = np.where(alive, m_safe + np.log(np.where(alive, l, 1.0)), -np.inf)[..., 0]
@@ -91,12 +129,12 @@ def _dropout(shape, dropout_p, seed, offset, rounds):
 
 
 def forward(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
-            block_mask=None, precision="float64", philox_rounds=10):
+            block_mask=None, precision="float64", philox_rounds=10, score_mod=None, mask_mod=None):
     """-> (out [B,Hq,Nq,d] float64, lse [B,Hq,Nq] float64)."""
     rnd = lambda x: round_to(x, precision)  # noqa: E731  identity for float64
     q, k, v = (rnd(x) for x in (q, k, v))
     q, k, v, scale, _ = _prepare(q, k, v, scale)
-    p, lse, vis = _probabilities(q, k, scale, causal, window, block_mask, rnd)
+    p, lse, vis = _probabilities(q, k, scale, causal, window, block_mask, rnd, score_mod, mask_mod)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     pd = p if z is None else rnd(p * z)
     out = rnd(_pv(pd, v, vis))
@@ -104,14 +142,14 @@ def forward(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, 
 
 
 def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
-             block_mask=None, precision="float64", philox_rounds=10):
+             block_mask=None, precision="float64", philox_rounds=10, score_mod=None, mask_mod=None):
     """-> (dq, dk, dv) in float64, shaped like q, k, v."""
     rnd = lambda x: round_to(x, precision)  # noqa: E731
     Hkv = np.shape(k)[1]
     q, k, v, dout = (rnd(x) for x in (q, k, v, dout))
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, rnd)
+    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, rnd, score_mod, mask_mod)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     pd = p if z is None else rnd(p * z)
     out = rnd(_pv(pd, vr, vis))                 # the forward's output (D reads it)
@@ -120,6 +158,8 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
     dp = dpd if z is None else dpd * z
     D = np.sum(dout * out, axis=-1, keepdims=True)
     ds = rnd(p * (dp - D))
+    if score_mod is not None:                   # dS_raw = dS_mod * mod'(s), at the visible entries only
+        ds = rnd(np.where(vis, ds * _mod_derivative(_raw_scores(q, kr, scale, rnd), score_mod), ds))
     dq = scale * np.einsum("bhij,bhjd->bhid", ds, kr)
     dk = scale * np.einsum("bhij,bhid->bhjd", ds, q)
     B, _, Nk, d = kr.shape
@@ -130,7 +170,7 @@ def backward(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, off
 
 
 def output_rounding_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
-                           window=None, block_mask=None, philox_rounds=10) -> dict:
+                           window=None, block_mask=None, philox_rounds=10, score_mod=None, mask_mod=None) -> dict:
     """What rounding `out` to a 16-bit dtype moves the gradients by, per unit of relative rounding.
 
     Every FlashAttention backward forms D = rowsum(dO o O) from the stored (rounded) output, and
@@ -138,22 +178,24 @@ def output_rounding_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.
     is left is O's rounding carried through D. O's elements round independently, so D_i moves by
     about u * rms_i, rms_i = sqrt(sum_c (dO_ic O_ic)^2), for a relative rounding u; then
     dQ_i moves by scale * rms_i * sum_j P_ij |k_j| and dK_j by scale * sum_i P_ij rms_i |q_i|.
+    With a score modifier, P is weighted by |mod'(s)| (dS is multiplied by it).
     Returns {"dq", "dk", "dv"} -> the largest element of each, per unit of u (dv does not see D)."""
     Hkv = np.shape(k)[1]
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x, score_mod, mask_mod)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     out = np.einsum("bhij,bhjd->bhid", p if z is None else p * z, vr)
     rms = np.sqrt(np.sum((dout * out) ** 2, axis=-1, keepdims=True))          # [B, H, Nq, 1]
-    dq = abs(scale) * rms * np.einsum("bhij,bhjd->bhid", p, np.abs(kr))
+    pg = p if score_mod is None else p * np.abs(_mod_derivative(_raw_scores(q, kr, scale, lambda x: x), score_mod))
+    dq = abs(scale) * rms * np.einsum("bhij,bhjd->bhid", pg, np.abs(kr))
     B, _, Nk, d = kr.shape
-    dk = abs(scale) * np.einsum("bhij,bhid->bhjd", p, rms * np.abs(q)).reshape(B, Hkv, g, Nk, d).sum(2)
+    dk = abs(scale) * np.einsum("bhij,bhid->bhjd", pg, rms * np.abs(q)).reshape(B, Hkv, g, Nk, d).sum(2)
     return {"dq": float(dq.max()) if dq.size else 0.0, "dk": float(dk.max()) if dk.size else 0.0, "dv": 0.0}
 
 
 def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
-                window=None, block_mask=None, philox_rounds=10) -> dict:
+                window=None, block_mask=None, philox_rounds=10, score_mod=None, mask_mod=None) -> dict:
     """Magnitudes of the terms behind each output, for the exact-tier tolerance (sandbox/tolerance.py).
 
     A float32 kernel's rounding error in a sum is bounded by eps * sum|terms|, not eps * |sum|:
@@ -162,13 +204,23 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
       and lse by ~ (1 + S_abs) * eps (large logits);
     - gradients: dS = P * (dP - D) cancels, so a gradient near 0 can be built from large terms;
       its bound is the sum of |terms| times (1 + S_abs) for the score error carried into P.
+    With a score modifier the score error is carried through it and the modifier adds its own:
+    S_abs = max |mod'(s)| * scale * sum_c |q_c k_c| + |mod(s)| (+ |sink|), and dS's terms are
+    weighted by |mod'(s)|.
     Returns {"out", "lse", "dq", "dk", "dv"} -> float.
     """
     Hkv = np.shape(k)[1]
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x)
+    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x, score_mod, mask_mod)
     s_abs_all = abs(scale) * np.einsum("bhid,bhjd->bhij", np.abs(q), np.abs(kr))
+    grad_abs = 1.0
+    if score_mod is not None:
+        s = _raw_scores(q, kr, scale, lambda x: x)
+        grad_abs = np.abs(_mod_derivative(s, score_mod)) if score_mod.has_grad else 1.0
+        sink = score_mod.sink_logits(q.shape[1])
+        sink_abs = np.where(np.isfinite(sink), np.abs(sink), 0.0)
+        s_abs_all = grad_abs * s_abs_all + np.abs(_modified(s, score_mod, lambda x: x)) + sink_abs
     s_abs = float(np.where(vis, s_abs_all, 0.0).max()) if s_abs_all.size else 0.0
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     zz = 1.0 if z is None else z
@@ -176,7 +228,7 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
     out = np.einsum("bhij,bhjd->bhid", pd, vr)
     dp_abs = np.einsum("bhid,bhjd->bhij", np.abs(dout), np.abs(vr)) * zz
     D_abs = np.sum(np.abs(dout * out), axis=-1, keepdims=True)
-    ds_abs = p * (dp_abs + D_abs)
+    ds_abs = p * (dp_abs + D_abs) * grad_abs
     B, _, Nk, d = kr.shape
     dq = abs(scale) * np.einsum("bhij,bhjd->bhid", ds_abs, np.abs(kr))
     dk = (abs(scale) * np.einsum("bhij,bhid->bhjd", ds_abs, np.abs(q))).reshape(B, Hkv, g, Nk, d).sum(2)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .masks import Band, BlockSparse
+from .modifiers import MaskMod, ScoreMod
 from .philox import OptionTypeError, as_real, check_offset, check_seed, dropout_threshold, split_seed
 from .precision import DTYPES, dtype_name
 
@@ -34,6 +35,8 @@ class Problem:
     seed: int = 0
     offset: int = 0
     block_mask: BlockSparse | None = field(default=None, compare=False)
+    score_mod: ScoreMod | None = field(default=None, compare=False)     # sandbox/modifiers.py
+    mask_mod: MaskMod | None = field(default=None, compare=False)
 
     @property
     def group(self) -> int:
@@ -113,8 +116,20 @@ def _window(window):
     return tuple(_window_side(side, window) for side in sides)
 
 
+def _modifier(value, kind, name, B, Hq, Nq, Nk):
+    """None or a `kind` (ScoreMod / MaskMod) whose buffers fit the problem; a wrong type is an
+    OptionTypeError naming the option."""
+    if value is None:
+        return None
+    if not isinstance(value, kind):
+        raise OptionTypeError(f"{name} must be a sandbox.modifiers.{kind.__name__} (or None), got "
+                              f"{value!r} ({type(value).__name__})")
+    value.validate(B, Hq, Nq, Nk)
+    return value
+
+
 def make_problem(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
-                 block_mask=None) -> Problem:
+                 block_mask=None, score_mod=None, mask_mod=None) -> Problem:
     """The validated problem: shapes and dtype first, then every option's type and range."""
     qs, ks, vs = _shape(q, "q"), _shape(k, "k"), _shape(v, "v")
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
@@ -145,4 +160,7 @@ def make_problem(q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, offse
         block_mask.validate(Hq, Nq, Nk)
     if max(Nq, Nk) >= 2**29:
         raise ValueError(f"sequence lengths must be < 2**29, got Nq={Nq}, Nk={Nk}")
-    return Problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, window, scale, dropout_p, seed, offset, block_mask)
+    score_mod = _modifier(score_mod, ScoreMod, "score_mod", B, Hq, Nq, Nk)
+    mask_mod = _modifier(mask_mod, MaskMod, "mask_mod", B, Hq, Nq, Nk)
+    return Problem(B, Hq, Hkv, Nq, Nk, d, dtype, causal, window, scale, dropout_p, seed, offset, block_mask,
+                   score_mod, mask_mod)

@@ -64,12 +64,15 @@ class Capabilities:
     gqa: bool = True
     dtypes: tuple = ("float32",)
     head_dims: tuple = tuple(range(1, 257))
+    score_mod: bool = False    # score modifiers, sinks included (sandbox/modifiers.py), forward and backward
+    mask_mod: bool = False     # mask modifiers (predicates of b, h, i, j), fully masked tiles skipped
 
     def summary(self) -> dict:
         dims = self.head_dims
         contiguous = list(dims) == list(range(dims[0], dims[-1] + 1))
         return {"backward": self.backward, "causal": self.causal, "window": self.window,
                 "block_sparse": self.block_sparse, "dropout": self.dropout, "gqa": self.gqa,
+                "score_mod": self.score_mod, "mask_mod": self.mask_mod,
                 "dtypes": list(self.dtypes),
                 "head_dims": f"{dims[0]}..{dims[-1]}" if contiguous else list(dims)}
 
@@ -175,6 +178,12 @@ class BoundVariant:
             missing.append("dropout")
         if problem.Hq != problem.Hkv and not caps.gqa:
             missing.append("GQA/MQA (Hq != Hkv)")
+        if problem.score_mod is not None and not caps.score_mod:
+            missing.append("score modifiers (score_mod)")
+        if problem.mask_mod is not None and not caps.mask_mod:
+            missing.append("mask modifiers (mask_mod)")
+        if direction in ("backward", "both") and problem.score_mod is not None and not problem.score_mod.has_grad:
+            missing.append(f"a backward through score_mod {problem.score_mod.name!r}, which has no derivative")
         if missing:
             raise ValueError(f"variant {v.name!r} ({self!r}) does not support: " + "; ".join(missing))
         extra = getattr(v.impl, "check", None)

@@ -9,6 +9,15 @@ dropout replayed from (seed, offset) with the same Philox counters as every othe
 
 It exists so that the simulator path (no GPU) and the demo run from day one; it is slow by design.
 Kernels are made by factories with the head dim and Philox rounds as closure constants.
+
+Score and mask modifiers (sandbox/modifiers.py): the factories also take the modifiers' kernel keys
+(their scalar functions, buffer counts and whether there are sinks) and compile the scalar forms in
+as device functions (`make_mod_helpers`); the captured buffers travel as extra kernel arguments
+(MAX_BUFFERS per modifier, unused ones a dummy array). The score modifier is applied to
+scale * q.k wherever a score is formed (forward, and the P recomputed in the backward), its
+derivative multiplies dS, the mask modifier joins the visibility test, and sinks add exp(sink_h - m)
+to the row sum after the last key. Kernels are cached per (head dim, rounds, modifier keys), so new
+buffer values (other ALiBi slopes) reuse a compiled kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sandbox import numba_support as nb
+from sandbox.modifiers import MAX_BUFFERS
 from sandbox.numba_support import cuda
 from sandbox.registry import Capabilities, Variant, philox_rounds_param, register
 
@@ -52,15 +62,79 @@ def make_mask_helpers(rounds: int):
     return visible, keep_factor
 
 
+def _with_buffers(fn, n: int, scored: bool):
+    """fn compiled as a device function, wrapped to take all MAX_BUFFERS buffer slots and pass on its
+    first n (Numba kernels have a fixed argument list). scored: fn takes the score s first."""
+    f = cuda.jit(device=True, inline=True)(fn)
+    if scored:
+        calls = (lambda s, b, h, i, j, x0, x1, x2, x3: f(s, b, h, i, j),
+                 lambda s, b, h, i, j, x0, x1, x2, x3: f(s, b, h, i, j, x0),
+                 lambda s, b, h, i, j, x0, x1, x2, x3: f(s, b, h, i, j, x0, x1),
+                 lambda s, b, h, i, j, x0, x1, x2, x3: f(s, b, h, i, j, x0, x1, x2),
+                 lambda s, b, h, i, j, x0, x1, x2, x3: f(s, b, h, i, j, x0, x1, x2, x3))
+    else:
+        calls = (lambda b, h, i, j, x0, x1, x2, x3: f(b, h, i, j),
+                 lambda b, h, i, j, x0, x1, x2, x3: f(b, h, i, j, x0),
+                 lambda b, h, i, j, x0, x1, x2, x3: f(b, h, i, j, x0, x1),
+                 lambda b, h, i, j, x0, x1, x2, x3: f(b, h, i, j, x0, x1, x2),
+                 lambda b, h, i, j, x0, x1, x2, x3: f(b, h, i, j, x0, x1, x2, x3))
+    return cuda.jit(device=True, inline=True)(calls[n])
+
+
+def _identity_score(s, b, h, i, j):
+    return s
+
+
+def _unit_grad(s, b, h, i, j):
+    return 1.0
+
+
+def _all_visible(b, h, i, j):
+    return True
+
+
+def make_mod_helpers(score_key, mask_key):
+    """(score, score_grad, mask) device functions from the modifiers' kernel keys (None: identity,
+    derivative 1, everything visible). score and score_grad return float32, mask a bool."""
+    scalar, scalar_grad, n_score, _ = score_key or (_identity_score, _unit_grad, 0, False)
+    mask_fn, n_mask = mask_key or (_all_visible, 0)
+    raw_score = _with_buffers(scalar, n_score, True)
+    # a forward-only modifier has no derivative: its backward is refused before launch (registry)
+    raw_grad = _with_buffers(scalar_grad, n_score, True) if scalar_grad else _with_buffers(_unit_grad, 0, True)
+    raw_mask = _with_buffers(mask_fn, n_mask, False)
+
+    @cuda.jit(device=True, inline=True)
+    def score(s, b, h, i, j, x0, x1, x2, x3):
+        return np.float32(raw_score(s, b, h, i, j, x0, x1, x2, x3))
+
+    @cuda.jit(device=True, inline=True)
+    def score_grad(s, b, h, i, j, x0, x1, x2, x3):
+        return np.float32(raw_grad(s, b, h, i, j, x0, x1, x2, x3))
+
+    @cuda.jit(device=True, inline=True)
+    def mask(b, h, i, j, x0, x1, x2, x3):
+        return bool(raw_mask(b, h, i, j, x0, x1, x2, x3))
+
+    return score, score_grad, mask
+
+
+def kernel_decorator(score_key, mask_key):
+    """nb.kernel (disk-cached) without modifiers; plain cuda.jit with them: a user's scalar form is
+    not part of the bytecode Numba's disk cache keys on, so a cached kernel could be stale."""
+    return nb.kernel if score_key is None and mask_key is None else cuda.jit
+
+
 # ---- kernels (factories)
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel(D: int, rounds: int):
+def forward_kernel(D: int, rounds: int, score_key=None, mask_key=None):
     visible, keep_factor = make_mask_helpers(rounds)
+    score, _, mask = make_mod_helpers(score_key, mask_key)
+    sinks = score_key is not None and score_key[3]
 
-    @nb.kernel
+    @kernel_decorator(score_key, mask_key)
     def fwd(q, k, v, out, lse, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
-            threshold, inv_keep, seed_lo, seed_hi, offset):
+            threshold, inv_keep, seed_lo, seed_hi, offset, s0, s1, s2, s3, m0, m1, m2, m3, sink):
         # q [B, Hq, Nq, D], k/v [B, Hkv, Nk, D], out [B, Hq, Nq, D], lse [B, Hq, Nq]
         t = cuda.grid(1)
         B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
@@ -76,12 +150,13 @@ def forward_kernel(D: int, rounds: int):
         m = np.float32(-math.inf)
         l = np.float32(0.0)
         for j in range(Nk):
-            if not visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk):
+            if not (visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk)
+                    and mask(b, h, i, j, m0, m1, m2, m3)):
                 continue
             s = np.float32(0.0)
             for c in range(D):
                 s += q[b, h, i, c] * k[b, hk, j, c]
-            s *= scale
+            s = score(s * scale, b, h, i, j, s0, s1, s2, s3)
             m_new = max(m, s)
             correction = math.exp(m - m_new)          # exp(-inf) = 0 on the first visible key
             p = math.exp(s - m_new)
@@ -89,6 +164,14 @@ def forward_kernel(D: int, rounds: int):
             pd = p * keep_factor(bh, i, j, threshold, inv_keep, seed_lo, seed_hi, offset)
             for c in range(D):
                 acc[c] = acc[c] * correction + pd * v[b, hk, j, c]
+            m = m_new
+        if sinks:                                      # the sink joins the denominator, with no value row
+            sk = sink[min(h, sink.shape[0] - 1)]
+            m_new = max(m, sk)
+            correction = math.exp(m - m_new)
+            l = l * correction + math.exp(sk - m_new)
+            for c in range(D):
+                acc[c] = acc[c] * correction
             m = m_new
         if l != 0:                                     # NaN is not a dead row: only an exactly zero sum is
             inv_l = np.float32(1.0) / l
@@ -104,12 +187,15 @@ def forward_kernel(D: int, rounds: int):
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(D: int, rounds: int):
+def backward_kernels(D: int, rounds: int, score_key=None, mask_key=None):
     visible, keep_factor = make_mask_helpers(rounds)
+    score, score_grad, mask = make_mod_helpers(score_key, mask_key)
+    jit = kernel_decorator(score_key, mask_key)
 
-    @nb.kernel
+    @jit
     def dq_kernel(q, k, v, out, dout, lse, dq, Dbuf, scale, group, band_lo, band_hi, layout,
-                  layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
+                  layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset,
+                  s0, s1, s2, s3, m0, m1, m2, m3, sink):
         # one thread per query row: D_i = dO_i . O_i, dQ_i = scale * sum_j dS_ij K_j
         t = cuda.grid(1)
         B, H, Nq = q.shape[0], q.shape[1], q.shape[2]
@@ -129,24 +215,27 @@ def backward_kernels(D: int, rounds: int):
         L = lse[b, h, i]
         if L != -math.inf:
             for j in range(Nk):
-                if not visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk):
+                if not (visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk)
+                        and mask(b, h, i, j, m0, m1, m2, m3)):
                     continue
                 s = np.float32(0.0)
                 dp = np.float32(0.0)
                 for c in range(D):
                     s += q[b, h, i, c] * k[b, hk, j, c]
                     dp += dout[b, h, i, c] * v[b, hk, j, c]
-                p = math.exp(s * scale - L)
+                s *= scale
+                p = math.exp(score(s, b, h, i, j, s0, s1, s2, s3) - L)
                 z = keep_factor(bh, i, j, threshold, inv_keep, seed_lo, seed_hi, offset)
-                ds = p * (dp * z - Di)
+                ds = p * (dp * z - Di) * score_grad(s, b, h, i, j, s0, s1, s2, s3)
                 for c in range(D):
                     acc[c] += ds * k[b, hk, j, c]
         for c in range(D):
             dq[b, h, i, c] = acc[c] * scale
 
-    @nb.kernel
+    @jit
     def dkdv_kernel(q, k, v, dout, lse, Dbuf, dk, dv, scale, group, band_lo, band_hi, layout,
-                    layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
+                    layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset,
+                    s0, s1, s2, s3, m0, m1, m2, m3, sink):
         # one thread per key row of a K/V head: sums over the query heads of its group
         t = cuda.grid(1)
         B, Hkv, Nk = k.shape[0], k.shape[1], k.shape[2]
@@ -165,16 +254,18 @@ def backward_kernels(D: int, rounds: int):
             bh = b * H + h
             for i in range(Nq):
                 L = lse[b, h, i]
-                if L == -math.inf or not visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk):
+                if L == -math.inf or not (visible(h, i, j, band_lo, band_hi, layout, layout_heads, bq, bk)
+                                          and mask(b, h, i, j, m0, m1, m2, m3)):
                     continue
                 s = np.float32(0.0)
                 dp = np.float32(0.0)
                 for c in range(D):
                     s += q[b, h, i, c] * k[b, hk, j, c]
                     dp += dout[b, h, i, c] * v[b, hk, j, c]
-                p = math.exp(s * scale - L)
+                s *= scale
+                p = math.exp(score(s, b, h, i, j, s0, s1, s2, s3) - L)
                 z = keep_factor(bh, i, j, threshold, inv_keep, seed_lo, seed_hi, offset)
-                ds = p * (dp * z - Dbuf[b, h, i])
+                ds = p * (dp * z - Dbuf[b, h, i]) * score_grad(s, b, h, i, j, s0, s1, s2, s3)
                 for c in range(D):
                     av[c] += p * z * dout[b, h, i, c]
                     ak[c] += ds * q[b, h, i, c]
@@ -201,7 +292,34 @@ def _common_args(p):
     lo, hi = p.seed_words
     return (np.float32(p.scale), np.int32(p.group), np.int32(p.band.lo), np.int32(p.band.hi), layout,
             np.int32(heads), np.int32(bq), np.int32(bk), np.uint32(p.dropout_threshold),
-            np.float32(1.0 / (1.0 - p.dropout_p)), np.uint32(lo), np.uint32(hi), np.uint32(p.offset))
+            np.float32(1.0 / (1.0 - p.dropout_p)), np.uint32(lo), np.uint32(hi), np.uint32(p.offset),
+            *_mod_args(p))
+
+
+def mod_keys(p):
+    """(score_key, mask_key) of the problem's modifiers: what their kernels are compiled and cached by."""
+    return (None if p.score_mod is None else p.score_mod.kernel_key,
+            None if p.mask_mod is None else p.mask_mod.kernel_key)
+
+
+def _device_buffer(arr):
+    """A captured buffer on the device: floats as float32, integers as int32, bools as uint8."""
+    kind = arr.dtype.kind
+    dtype = np.float32 if kind == "f" else (np.uint8 if kind == "b" else np.int32)
+    return nb.asarray(np.ascontiguousarray(arr, dtype=dtype))
+
+
+def _buffer_slots(mod):
+    """MAX_BUFFERS device arrays: the modifier's buffers in order, then dummies."""
+    bufs = [] if mod is None else [_device_buffer(a) for a in mod.buffers.values()]
+    return tuple(bufs) + tuple(nb.zeros((1,), np.float32) for _ in range(MAX_BUFFERS - len(bufs)))
+
+
+def _mod_args(p):
+    """The kernels' trailing arguments: score buffers, mask buffers, sink logits (or a dummy)."""
+    sm = p.score_mod
+    sink = nb.zeros((1,), np.float32) if sm is None or sm.sink is None else _device_buffer(sm.sink)
+    return (*_buffer_slots(sm), *_buffer_slots(p.mask_mod), sink)
 
 
 def _grid(n):
@@ -219,11 +337,12 @@ class Rowwise:
         out = nb.empty((p.B, p.Hq, p.Nq, p.d), np.float32)
         lse = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         grid, block = _grid(p.B * p.Hq * p.Nq)
-        nb.launch(forward_kernel(p.d, config.philox_rounds), grid, block, q, k, v, out, lse, *_common_args(p))
+        kernel = forward_kernel(p.d, config.philox_rounds, *mod_keys(p))
+        nb.launch(kernel, grid, block, q, k, v, out, lse, *_common_args(p))
         return out, lse
 
     def backward(self, p, dout, q, k, v, out, lse, config):
-        dq_kernel, dkdv_kernel = backward_kernels(p.d, config.philox_rounds)
+        dq_kernel, dkdv_kernel = backward_kernels(p.d, config.philox_rounds, *mod_keys(p))
         dq = nb.empty(q.shape, np.float32)
         dk = nb.empty(k.shape, np.float32)
         dv = nb.empty(v.shape, np.float32)
@@ -241,7 +360,7 @@ register(Variant(
     description="one thread per row, online softmax, no tiling (Numba CUDA; runs under the simulator)",
     impl=Rowwise(),
     params=(philox_rounds_param(),),
-    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 257))),
+    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 257)), score_mod=True, mask_mod=True),
     seed_ref="FA2 paper Algorithms 1-2 with Br = Bc = 1; lecture Algorithm 3 (online softmax)",
     tags=("exact-ladder",),
 ))

@@ -29,6 +29,14 @@ every FMA from shared memory (the CUDA C kernel holds a 4 x 32 register tile and
 phase 2 runs one thread per query row (64 of 128 busy) and adds two barriers per K/V tile. These
 follow from running under the simulator (no shuffles, no __syncwarp); a GPU-only rung with
 register tiling and warp reductions is the next step.
+
+Score and mask modifiers (sandbox/modifiers.py) as in numba-rowwise (`make_mod_helpers`): the score
+modifier in phase 1 (and where the backward recomputes P), its derivative on dS, sinks folded into
+l (and O rescaled) after the last tile. With a mask modifier the tile table is the exact
+classification of causal / window / block-sparse AND the modifier (masks.classify_tiles_mod, one
+per batch entry and head where the mask depends on them): EMPTY tiles are skipped, FULL tiles
+evaluate no predicate, PARTIAL tiles evaluate it per element. Tile tables are 4-D [Tb, Th, nr, nc]
+(Tb, Th = 1 where the mask does not depend on the batch entry or head).
 """
 from __future__ import annotations
 
@@ -39,12 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from sandbox import numba_support as nb
-from sandbox.masks import classify_tiles
+from sandbox.masks import classify_tiles, classify_tiles_mod
 from sandbox.numba_support import cuda
 from sandbox.launch import tile_table
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
-from .numba_rowwise import _common_args, make_mask_helpers
+from .numba_rowwise import _common_args, kernel_decorator, make_mask_helpers, make_mod_helpers, mod_keys
 
 SMEM_STATIC = 48 * 1024
 f32 = np.float32
@@ -53,14 +61,16 @@ f32 = np.float32
 # ---- kernels (factories)
 
 @functools.lru_cache(maxsize=None)
-def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
+def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int, score_key=None, mask_key=None):
     visible, keep_factor = make_mask_helpers(rounds)
+    score, _, mask = make_mod_helpers(score_key, mask_key)
+    sinks = score_key is not None and score_key[3]
     LD, LDS = D + 1, BC + 1
     NS, NO = -(-BR * BC // THREADS), -(-BR * D // THREADS)     # scores / outputs per thread
 
-    @nb.kernel
+    @kernel_decorator(score_key, mask_key)
     def fwd(q, k, v, out, lse, tiles, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
-            threshold, inv_keep, seed_lo, seed_hi, offset):
+            threshold, inv_keep, seed_lo, seed_hi, offset, s0, s1, s2, s3, m0, m1, m2, m3, sink):
         sQ = cuda.shared.array((BR, LD), np.float32)
         sKV = cuda.shared.array((BC, LD), np.float32)          # K_j, then V_j
         sS = cuda.shared.array((BR, LDS), np.float32)           # S, then P
@@ -74,7 +84,8 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
         b, h = bh // H, bh % H
         hk = h // group
         row0 = tr * BR
-        th = 0 if tiles.shape[0] == 1 else h
+        tb = 0 if tiles.shape[0] == 1 else b
+        th = 0 if tiles.shape[1] == 1 else h
         for e in range(t, BR * D, THREADS):
             r, c = e // D, e % D
             sQ[r, c] = q[b, h, row0 + r, c] if row0 + r < Nq else f32(0.0)
@@ -83,8 +94,8 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
             sL[r] = 0.0
         for x in range(NO):
             acc[x] = 0.0
-        for tc in range(tiles.shape[2]):
-            cls = tiles[th, tr, tc]
+        for tc in range(tiles.shape[3]):
+            cls = tiles[tb, th, tr, tc]
             if cls == 0:                                         # empty: never loaded
                 continue
             col0 = tc * BC
@@ -101,9 +112,9 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                     for x in range(D):
                         s += sQ[r, x] * sKV[c, x]
                     i, j = row0 + r, col0 + c
-                    ok = i < Nq and j < Nk and (cls == 1 or visible(h, i, j, band_lo, band_hi, layout,
-                                                                      layout_heads, bq, bk))
-                    sS[r, c] = s * scale if ok else -math.inf
+                    ok = i < Nq and j < Nk and (cls == 1 or (visible(h, i, j, band_lo, band_hi, layout, layout_heads,
+                                                                       bq, bk) and mask(b, h, i, j, m0, m1, m2, m3)))
+                    sS[r, c] = score(s * scale, b, h, i, j, s0, s1, s2, s3) if ok else -math.inf
             cuda.syncthreads()
             for e in range(t, BC * D, THREADS):                  # V_j over K_j
                 c, x = e // D, e % D
@@ -135,6 +146,14 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                         a += sS[r, c] * sKV[c, x]
                     acc[y] = a
         cuda.syncthreads()
+        if sinks:                                                # the sink joins l, with no value row
+            for r in range(t, BR, THREADS):
+                sk = sink[min(h, sink.shape[0] - 1)]
+                m_new = max(sM[r], sk)
+                sC[r] = math.exp(sM[r] - m_new)
+                sL[r] = sL[r] * sC[r] + math.exp(sk - m_new)
+                sM[r] = m_new
+            cuda.syncthreads()
         for y in range(NO):
             e = t + THREADS * y
             if e < BR * D:
@@ -142,7 +161,8 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                 i = row0 + r
                 if i < Nq:
                     l = sL[r]
-                    out[b, h, i, x] = acc[y] / l if l != 0 else f32(0.0)   # NaN is not a dead row: only l == 0 is
+                    a = acc[y] * sC[r] if sinks else acc[y]
+                    out[b, h, i, x] = a / l if l != 0 else f32(0.0)   # NaN is not a dead row: only l == 0 is
         for r in range(t, BR, THREADS):
             i = row0 + r
             if i < Nq:
@@ -152,14 +172,16 @@ def fa2_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
 
 
 @functools.lru_cache(maxsize=None)
-def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
+def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int, score_key=None, mask_key=None):
     visible, keep_factor = make_mask_helpers(rounds)
+    score, _, mask = make_mod_helpers(score_key, mask_key)
+    sinks = score_key is not None and score_key[3]
     LD, LDS = D + 1, BC + 1
     NS = -(-BR * BC // THREADS)
 
-    @nb.kernel
+    @kernel_decorator(score_key, mask_key)
     def fwd(q, k, v, out, M, L, lse, tiles, scale, group, band_lo, band_hi, layout, layout_heads, bq, bk,
-            threshold, inv_keep, seed_lo, seed_hi, offset):
+            threshold, inv_keep, seed_lo, seed_hi, offset, s0, s1, s2, s3, m0, m1, m2, m3, sink):
         # out zeroed, M = -inf, L = 0 on entry; one block per (batch, head)
         sQ = cuda.shared.array((BR, LD), np.float32)
         sK = cuda.shared.array((BC, LD), np.float32)
@@ -172,12 +194,13 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
         H, Nq, Nk = q.shape[1], q.shape[2], k.shape[2]
         b, h = bh // H, bh % H
         hk = h // group
-        th = 0 if tiles.shape[0] == 1 else h
-        for tc in range(tiles.shape[2]):                         # outer: K_j, V_j
+        tb = 0 if tiles.shape[0] == 1 else b
+        th = 0 if tiles.shape[1] == 1 else h
+        for tc in range(tiles.shape[3]):                         # outer: K_j, V_j
             col0 = tc * BC
             loaded = False
-            for tr in range(tiles.shape[1]):                     # inner: Q_i, O_i, l_i, m_i
-                cls = tiles[th, tr, tc]
+            for tr in range(tiles.shape[2]):                     # inner: Q_i, O_i, l_i, m_i
+                cls = tiles[tb, th, tr, tc]
                 if cls == 0:
                     continue
                 row0 = tr * BR
@@ -200,9 +223,9 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                         for x in range(D):
                             s += sQ[r, x] * sK[c, x]
                         i, j = row0 + r, col0 + c
-                        ok = i < Nq and j < Nk and (cls == 1 or visible(h, i, j, band_lo, band_hi, layout,
-                                                                          layout_heads, bq, bk))
-                        sS[r, c] = s * scale if ok else -math.inf
+                        ok = i < Nq and j < Nk and (cls == 1 or (visible(h, i, j, band_lo, band_hi, layout, layout_heads,
+                                                                           bq, bk) and mask(b, h, i, j, m0, m1, m2, m3)))
+                        sS[r, c] = score(s * scale, b, h, i, j, s0, s1, s2, s3) if ok else -math.inf
                 cuda.syncthreads()
                 for r in range(t, BR, THREADS):                  # m~, P~, l~ and the HBM statistics
                     i = row0 + r
@@ -239,14 +262,24 @@ def fa1_forward_kernel(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                         out[b, h, i, x] = sA[r] * out[b, h, i, x] + sB[r] * pv
         cuda.syncthreads()
         for i in range(t, Nq, THREADS):
+            if sinks:                                            # the sink joins L; O_i shrinks by L / L_new
+                sk = sink[min(h, sink.shape[0] - 1)]
+                m_new = max(M[b, h, i], sk)
+                l_old = L[b, h, i] * math.exp(M[b, h, i] - m_new)
+                l_new = l_old + math.exp(sk - m_new)
+                for x in range(D):
+                    out[b, h, i, x] = out[b, h, i, x] * (l_old / l_new)
+                M[b, h, i] = m_new
+                L[b, h, i] = l_new
             lse[b, h, i] = M[b, h, i] + math.log(L[b, h, i]) if L[b, h, i] != 0 else -math.inf   # NaN: not dead
 
     return fwd
 
 
 @functools.lru_cache(maxsize=None)
-def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
+def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int, score_key=None, mask_key=None):
     visible, keep_factor = make_mask_helpers(rounds)
+    score, score_grad, mask = make_mod_helpers(score_key, mask_key)
     LD, LDS = D + 1, BC + 1
     NS, NKV = -(-BR * BC // THREADS), -(-BC * D // THREADS)
 
@@ -263,9 +296,10 @@ def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                 a += dout[b, h, i, x] * out[b, h, i, x]
             Dv[b, h, i] = a
 
-    @nb.kernel
+    @kernel_decorator(score_key, mask_key)
     def dkdv(q, k, v, dout, lse, Dv, dq, dk, dv, tiles, scale, group, band_lo, band_hi, layout,
-             layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset):
+             layout_heads, bq, bk, threshold, inv_keep, seed_lo, seed_hi, offset,
+             s0, s1, s2, s3, m0, m1, m2, m3, sink):
         # dq zeroed on entry; one block per (K/V tile, batch * K/V head)
         sK = cuda.shared.array((BC, LD), np.float32)
         sV = cuda.shared.array((BC, LD), np.float32)
@@ -291,9 +325,10 @@ def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
         for g in range(group):
             h = hk * group + g
             bh = b * H + h
-            th = 0 if tiles.shape[0] == 1 else h
-            for tr in range(tiles.shape[1]):
-                cls = tiles[th, tr, tc]
+            tb = 0 if tiles.shape[0] == 1 else b
+            th = 0 if tiles.shape[1] == 1 else h
+            for tr in range(tiles.shape[2]):
+                cls = tiles[tb, th, tr, tc]
                 if cls == 0:
                     continue
                 row0 = tr * BR
@@ -313,16 +348,18 @@ def fa2_backward_kernels(D: int, BR: int, BC: int, THREADS: int, rounds: int):
                         ds = f32(0.0)
                         if i < Nq and j < Nk:
                             Li = lse[b, h, i]
-                            if Li != -math.inf and (cls == 1 or visible(h, i, j, band_lo, band_hi, layout,
-                                                                          layout_heads, bq, bk)):
+                            if Li != -math.inf and (cls == 1 or (visible(h, i, j, band_lo, band_hi, layout,
+                                                                           layout_heads, bq, bk)
+                                                                   and mask(b, h, i, j, m0, m1, m2, m3))):
                                 s = f32(0.0)
                                 dp = f32(0.0)
                                 for x in range(D):
                                     s += sQ[r, x] * sK[c, x]
                                     dp += sdO[r, x] * sV[c, x]
-                                p = math.exp(s * scale - Li)
+                                s *= scale
+                                p = math.exp(score(s, b, h, i, j, s0, s1, s2, s3) - Li)
                                 z = keep_factor(bh, i, j, threshold, inv_keep, seed_lo, seed_hi, offset)
-                                ds = p * (dp * z - Dv[b, h, i])
+                                ds = p * (dp * z - Dv[b, h, i]) * score_grad(s, b, h, i, j, s0, s1, s2, s3)
                                 p *= z
                         sP[r, c] = p
                         sdS[r, c] = ds
@@ -414,12 +451,17 @@ class NumbaTiled:
                              f"shared memory (> {SMEM_STATIC} B in Numba): lower block_r or block_c")
 
     def _tiles(self, p, br, bc):
-        """The tile table: on a GPU the device copy cached by content (sandbox.launch.tile_table), so a
-        repeated call uploads nothing (no host wait, and nothing to copy inside a CUDA-graph capture)."""
+        """The 4-D tile table [Tb, Th, nr, nc]. Without a mask modifier, on a GPU, the device copy cached
+        by content (sandbox.launch.tile_table), so a repeated call uploads nothing (no host wait, and
+        nothing to copy inside a CUDA-graph capture). With one, the exact classification including the
+        modifier (cached on the host per mask and shape; uploaded per call)."""
+        if p.mask_mod is not None:     # a writable copy: the simulator copies kernel arguments back
+            tiles = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, br, bc, p.band, p.block_mask)
+            return nb.asarray(np.array(tiles))
         if nb.SIMULATOR:
-            return classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)
+            return classify_tiles(p.Nq, p.Nk, br, bc, p.band, p.block_mask)[None]
         import cupy
-        return tile_table(p, br, bc, cupy)[0]
+        return tile_table(p, br, bc, cupy)[0][None]
 
     def forward(self, p, q, k, v, config):
         c = config.resolved(p.d, self.fa1)
@@ -430,10 +472,10 @@ class NumbaTiled:
             out = nb.zeros((p.B, p.Hq, p.Nq, p.d), np.float32)
             M = nb.full((p.B, p.Hq, p.Nq), -np.inf, np.float32)
             L = nb.zeros((p.B, p.Hq, p.Nq), np.float32)
-            kernel = fa1_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds)
+            kernel = fa1_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds, *mod_keys(p))
             nb.launch(kernel, (1, p.B * p.Hq), c.threads, q, k, v, out, M, L, lse, tiles, *_common_args(p))
         else:
-            kernel = fa2_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds)
+            kernel = fa2_forward_kernel(p.d, c.block_r, c.block_c, c.threads, c.philox_rounds, *mod_keys(p))
             nb.launch(kernel, (-(-p.Nq // c.block_r), p.B * p.Hq), c.threads, q, k, v, out, lse, tiles, *_common_args(p))
         return out, lse
 
@@ -443,7 +485,7 @@ class NumbaTiled:
         br, bc = (c.block_r, c.block_c) if explicit and c.bwd_smem(p.d, c.block_r, c.block_c) <= SMEM_STATIC \
             else bwd_tiles(p.d)
         threads = min(config.threads, 128)
-        preprocess, dkdv = fa2_backward_kernels(p.d, br, bc, threads, config.philox_rounds)
+        preprocess, dkdv = fa2_backward_kernels(p.d, br, bc, threads, config.philox_rounds, *mod_keys(p))
         Dv = nb.empty((p.B, p.Hq, p.Nq), np.float32)
         n = p.B * p.Hq * p.Nq
         nb.launch(preprocess, (-(-n // 128),), 128, dout, out, Dv)
@@ -468,7 +510,7 @@ register(Variant(
     name="numba-fa2", family="fa2", backend="numba",
     description="FA2 tiled in Numba: Q-outer tiles, deferred rescaling; column-parallel backward, atomic dQ",
     impl=NumbaTiled("numba-fa2", fa1=False), params=_params(),
-    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129))),
+    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129)), score_mod=True, mask_mod=True),
     seed_ref="FA2 paper Algorithms 1 and 2",
     tags=("exact-ladder",)))
 
@@ -476,6 +518,6 @@ register(Variant(
     name="numba-fa1", family="fa1", backend="numba",
     description="FA1 tiled in Numba: K/V-outer tiles, O/l/m through HBM each step (backward: numba-fa2's)",
     impl=NumbaTiled("numba-fa1", fa1=True), params=_params(),
-    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129))),
+    caps=Capabilities(dtypes=("float32",), head_dims=tuple(range(1, 129)), score_mod=True, mask_mod=True),
     seed_ref="FA1 paper Algorithm 1 (forward); FA2 paper Algorithm 2 (backward)",
     tags=("exact-ladder",)))

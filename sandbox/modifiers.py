@@ -1,0 +1,527 @@
+"""Score and mask modifiers (issue 18): user code that changes the attention scores where they exist.
+
+A `ScoreMod` maps each score to a new one; a `MaskMod` says which (query, key) pairs are visible.
+Each is declared once, in the forms the backends need:
+
+- a NumPy form that the oracle runs on whole arrays: `numpy(s, b, h, i, j, **buffers)` for a score
+  modifier, `numpy(b, h, i, j, **buffers)` for a mask. The index arguments are int64 arrays that
+  broadcast against each other (b of shape (B, 1, 1, 1), h (1, H, 1, 1), i (1, 1, n, 1), j (1, 1, 1,
+  Nk)) and s is float64 of the broadcast shape; write the function with NumPy operations and fancy
+  indexing, and it works on any of those shapes;
+- a scalar form: the same computation on scalars, `scalar(s, b, h, i, j, *buffers)` with the
+  buffers positional in declaration order, written with `math` and array indexing only, so that
+  Numba compiles it into the Numba kernels (`cuda.jit(device=True)`);
+- a CUDA C expression in the same names (`s`, `b`, `h`, `i`, `j`, each buffer as a pointer, and its
+  sizes as `<name>_shape0`, `<name>_shape1`, ...), kept as text for the CUDA C kernels, which
+  compile it into their module (the module cache is keyed by that text; `cuda_function()`).
+
+The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
+modifier without them is forward-only, and a backward with it is refused (ValueError).
+
+Semantics (docs/ARCHITECTURE.md "Score and mask modifiers"): the score modifier sees the scaled
+score s = scale * q.k, as flex attention's score_mod does, and the softmax runs on its output:
+    P = softmax_j(mod(scale * q_i . k_j, b, h, i, j)) over the visible keys
+i and j are raw positions (0 .. Nq-1, 0 .. Nk-1), not bottom-right aligned: a modifier that needs the
+alignment of the built-in causal mask adds Nk - Nq itself. A mask modifier is ANDed with causal,
+window and block_mask. The backward is dS_raw = dS_mod * mod'(s).
+
+Attention sinks are a score modifier with a per-head logit `sink[h]` that joins the softmax
+denominator but has no value row: lse_i = log(sum_j exp(s_ij) + exp(sink_h)), P_ij = exp(s_ij - lse_i),
+so out = sum_j P_ij v_j (a row that sees no key has out = 0 and lse = sink_h). The kernels' backward
+is unchanged, since it recomputes P from lse; the sink logit's own gradient is
+d loss / d sink_h = -sum_{b, i} exp(sink_h - lse_bhi) * D_bhi (`sink_grad`).
+
+Buffers are captured NumPy arrays (bool, int or float). The Numba kernels receive them as device
+arrays (floats as float32, integers as int32); kernels are compiled per modifier *code* (its
+scalar functions and buffer count), not per buffer values, so alibi(slopes) with new slopes reuses
+its kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Callable
+
+import numpy as np
+
+MAX_BUFFERS = 4                    # captured arrays per modifier (the Numba kernels pass a fixed number)
+RESERVED = ("s", "b", "h", "i", "j")
+
+
+def _callable(value, what, optional=False):
+    if value is None and optional:
+        return None
+    if not callable(value):
+        raise TypeError(f"{what} must be callable, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _text(value, what):
+    if not isinstance(value, str) or not value.strip():
+        raise TypeError(f"{what} must be a non-empty string of CUDA C, got {value!r}")
+    return value
+
+
+def _buffers(buffers, owner) -> dict:
+    """Captured arrays, by name: identifiers other than s, b, h, i, j; bool, int or float, not empty."""
+    if buffers is None:
+        return {}
+    if not isinstance(buffers, dict):
+        raise TypeError(f"{owner}: buffers must be a dict name -> array, got {type(buffers).__name__}")
+    if len(buffers) > MAX_BUFFERS:
+        raise ValueError(f"{owner}: at most {MAX_BUFFERS} buffers, got {len(buffers)}")
+    out = {}
+    for name, value in buffers.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
+            raise ValueError(f"{owner}: buffer name {name!r} must be an identifier other than {RESERVED}")
+        arr = np.array(value)            # a copy: later changes to the caller's array do not leak in
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"{owner}: buffer {name!r} must be bool, int or float, got dtype {arr.dtype}")
+        if arr.size == 0 or arr.ndim == 0:
+            raise ValueError(f"{owner}: buffer {name!r} must be a non-empty array (shape {arr.shape})")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError(f"{owner}: buffer {name!r} has non-finite values")
+        arr.setflags(write=False)
+        out[name] = arr
+    return out
+
+
+def _name(name, kind):
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{kind} name must be a non-empty str, got {name!r}")
+    return name
+
+
+def index_grids(B: int, H: int, rows, Nk: int):
+    """(b, h, i, j) int64 index arrays that broadcast to (B, H, len(rows), Nk)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    return (np.arange(B).reshape(B, 1, 1, 1), np.arange(H).reshape(1, H, 1, 1),
+            rows.reshape(1, 1, -1, 1), np.arange(Nk).reshape(1, 1, 1, Nk))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ScoreMod:
+    """A score modifier in its NumPy, scalar (Numba) and CUDA C forms, with its derivative.
+
+    Compared and hashed by identity. `check(B, Hq, Nq, Nk)`, if given, raises ValueError for a
+    problem the buffers do not fit (a per-head table with the wrong head count). `sink`, if not
+    None, is a per-head logit in the softmax denominator (module docstring)."""
+
+    name: str
+    numpy: Callable
+    scalar: Callable
+    cuda: str
+    grad: Callable | None = None
+    scalar_grad: Callable | None = None
+    cuda_grad: str | None = None
+    buffers: dict = dataclasses.field(default_factory=dict)
+    sink: np.ndarray | None = None
+    check: Callable | None = None
+    params: dict = dataclasses.field(default_factory=dict)     # for repr only
+
+    def __post_init__(self):
+        _name(self.name, "ScoreMod")
+        where = f"ScoreMod {self.name!r}"
+        _callable(self.numpy, f"{where}: numpy")
+        _callable(self.scalar, f"{where}: scalar")
+        _text(self.cuda, f"{where}: cuda")
+        grads = (self.grad, self.scalar_grad, self.cuda_grad)
+        if any(g is not None for g in grads) and any(g is None for g in grads):
+            raise ValueError(f"{where}: give the derivative in all three forms (grad, scalar_grad, cuda_grad) "
+                             "or in none")
+        _callable(self.grad, f"{where}: grad", optional=True)
+        _callable(self.scalar_grad, f"{where}: scalar_grad", optional=True)
+        if self.cuda_grad is not None:
+            _text(self.cuda_grad, f"{where}: cuda_grad")
+        _callable(self.check, f"{where}: check", optional=True)
+        object.__setattr__(self, "buffers", _buffers(self.buffers, where))
+        if self.sink is not None:
+            object.__setattr__(self, "sink", _sink_logits(self.sink, where))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"ScoreMod({self.name}{', ' + args if args else ''}{', +sinks' if self.sink is not None else ''})"
+
+    @property
+    def has_grad(self) -> bool:
+        return self.grad is not None
+
+    def with_sinks(self, logits) -> "ScoreMod":
+        """This modifier plus attention sinks (a per-head logit in the softmax denominator)."""
+        return dataclasses.replace(self, sink=logits, name=f"{self.name}+sinks")
+
+    def apply(self, s, b, h, i, j):
+        """The NumPy form on broadcastable arrays -> float64 array of the broadcast shape."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = self.numpy(s, b, h, i, j, **self.buffers)
+        return np.broadcast_to(np.asarray(out, dtype=np.float64), np.broadcast_shapes(np.shape(s), np.shape(out)))
+
+    def derivative(self, s, b, h, i, j):
+        """d mod / d s, NumPy form; ValueError if the modifier has none (forward-only)."""
+        if self.grad is None:
+            raise ValueError(f"score_mod {self.name!r} has no derivative (grad): it is forward-only, "
+                             "so no backward can run with it")
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = self.grad(s, b, h, i, j, **self.buffers)
+        return np.broadcast_to(np.asarray(out, dtype=np.float64), np.broadcast_shapes(np.shape(s), np.shape(out)))
+
+    def sink_logits(self, H: int) -> np.ndarray:
+        """float64 (1, H, 1, 1): the sink logit per query head; -inf everywhere without sinks."""
+        if self.sink is None:
+            return np.full((1, H, 1, 1), -np.inf)
+        return np.broadcast_to(self.sink.astype(np.float64), (H,)).reshape(1, H, 1, 1)
+
+    def validate(self, B: int, Hq: int, Nq: int, Nk: int) -> None:
+        if self.sink is not None and self.sink.shape[0] not in (1, Hq):
+            raise ValueError(f"score_mod {self.name!r}: sink logits have shape {self.sink.shape}; "
+                             f"need (1,) or (Hq,) = ({Hq},)")
+        if self.check is not None:
+            self.check(B, Hq, Nq, Nk)
+
+    @property
+    def kernel_key(self) -> tuple:
+        """What a compiled kernel depends on: the scalar code, the buffer count, sinks or not."""
+        return (self.scalar, self.scalar_grad, len(self.buffers), self.sink is not None)
+
+    def cuda_function(self) -> str:
+        """The CUDA C device functions `score_mod` and `score_mod_grad` (module docstring's names)."""
+        body = [_cuda_fn("score_mod", "float s, ", self.cuda, self.buffers)]
+        if self.cuda_grad is not None:
+            body.append(_cuda_fn("score_mod_grad", "float s, ", self.cuda_grad, self.buffers))
+        return "\n".join(body)
+
+    @property
+    def cuda_key(self) -> str:
+        """A module-cache key from the modifier's CUDA text (and its buffers' names and types)."""
+        return hashlib.sha256(self.cuda_function().encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskMod:
+    """A mask modifier: visible iff predicate(b, h, i, j, **buffers), in NumPy, scalar and CUDA C forms.
+
+    Compared and hashed by identity; `check(B, Hq, Nq, Nk)` as for ScoreMod."""
+
+    name: str
+    numpy: Callable
+    scalar: Callable
+    cuda: str
+    buffers: dict = dataclasses.field(default_factory=dict)
+    check: Callable | None = None
+    params: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        _name(self.name, "MaskMod")
+        where = f"MaskMod {self.name!r}"
+        _callable(self.numpy, f"{where}: numpy")
+        _callable(self.scalar, f"{where}: scalar")
+        _text(self.cuda, f"{where}: cuda")
+        _callable(self.check, f"{where}: check", optional=True)
+        object.__setattr__(self, "buffers", _buffers(self.buffers, where))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"MaskMod({self.name}{', ' + args if args else ''})"
+
+    def visible(self, B: int, H: int, rows, Nk: int) -> np.ndarray:
+        """bool (Bm, Hm, len(rows), Nk), Bm in {1, B}, Hm in {1, H}: the axes the predicate does not
+        depend on stay 1 (its NumPy form's broadcast shape says which)."""
+        b, h, i, j = index_grids(B, H, rows, Nk)
+        out = np.asarray(self.numpy(b, h, i, j, **self.buffers))
+        if out.dtype != np.bool_:
+            raise TypeError(f"mask_mod {self.name!r}: the NumPy form must return booleans, got {out.dtype}")
+        full = np.broadcast_shapes(out.shape, (1, 1, len(np.atleast_1d(rows)), Nk))
+        if len(full) != 4 or full[0] not in (1, B) or full[1] not in (1, H):
+            raise ValueError(f"mask_mod {self.name!r}: the NumPy form returned shape {out.shape}, which does "
+                             f"not broadcast to (B, H, n, Nk) = ({B}, {H}, {len(rows)}, {Nk})")
+        return np.broadcast_to(out, full)
+
+    def validate(self, B: int, Hq: int, Nq: int, Nk: int) -> None:
+        if self.check is not None:
+            self.check(B, Hq, Nq, Nk)
+
+    @property
+    def kernel_key(self) -> tuple:
+        return (self.scalar, len(self.buffers))
+
+    def cuda_function(self) -> str:
+        return _cuda_fn("mask_mod", "", self.cuda, self.buffers, result="bool")
+
+    @property
+    def cuda_key(self) -> str:
+        return hashlib.sha256(self.cuda_function().encode()).hexdigest()[:16]
+
+
+_C_TYPES = {"b": "unsigned char", "i": "int", "u": "int", "f": "float"}
+
+
+def _cuda_fn(fname, first, expr, buffers, result="float"):
+    """A __device__ function of (s,) b, h, i, j and the buffers (pointers plus their shapes)."""
+    args = [f"{first}int b, int h, int i, int j"]
+    for name, arr in buffers.items():
+        args.append(f"const {_C_TYPES[arr.dtype.kind]}* __restrict__ {name}")
+        args += [f"int {name}_shape{a}" for a in range(arr.ndim)]
+    return (f"__device__ __forceinline__ {result} {fname}({', '.join(args)}) {{\n"
+            f"    return {expr};\n}}\n")
+
+
+def _sink_logits(logits, where):
+    arr = np.array(logits, dtype=np.float64).reshape(-1) if np.ndim(logits) <= 1 else None
+    if arr is None or arr.size == 0:
+        raise ValueError(f"{where}: sink logits must be a non-empty 1-D array (one per head, or one)")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{where}: sink logits must be finite")
+    arr.setflags(write=False)
+    return arr
+
+
+def _heads_check(owner, arrays):
+    """A check that each named array's first axis is 1 or Hq."""
+    def check(B, Hq, Nq, Nk):
+        for what, arr in arrays.items():
+            if arr.shape[0] not in (1, Hq):
+                raise ValueError(f"{owner}: {what} has {arr.shape[0]} heads on its first axis; need 1 or Hq={Hq}")
+    return check
+
+
+def _real(value, what):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+# ---- built-in score modifiers
+
+def _softcap_np(s, b, h, i, j, cap):
+    return cap[0] * np.tanh(s / cap[0])
+
+
+def _softcap_grad_np(s, b, h, i, j, cap):
+    return 1.0 - np.tanh(s / cap[0]) ** 2
+
+
+def _softcap_scalar(s, b, h, i, j, cap):
+    return cap[0] * math.tanh(s / cap[0])
+
+
+def _softcap_grad_scalar(s, b, h, i, j, cap):
+    t = math.tanh(s / cap[0])
+    return 1.0 - t * t
+
+
+def softcap(cap) -> ScoreMod:
+    """Gemma 2's logit soft-capping: cap * tanh(s / cap), cap > 0."""
+    cap = _real(cap, "softcap: cap")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap}")
+    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * tanhf(s / cap[0])",
+                    _softcap_grad_np, _softcap_grad_scalar,
+                    "1.0f - tanhf(s / cap[0]) * tanhf(s / cap[0])",
+                    buffers={"cap": np.array([cap])}, params={"cap": cap})
+
+
+def _ones_np(s, b, h, i, j, *buffers, **named):
+    return np.ones_like(s)
+
+
+def _one_scalar(s, b, h, i, j, *buffers):
+    return 1.0
+
+
+def _alibi_np(s, b, h, i, j, slopes):
+    return s + slopes[np.minimum(h, slopes.shape[0] - 1)] * (j - i)
+
+
+def _alibi_scalar(s, b, h, i, j, slopes):
+    return s + slopes[min(h, slopes.shape[0] - 1)] * (j - i)
+
+
+def alibi(slopes) -> ScoreMod:
+    """ALiBi: s + slope_h * (j - i), one slope per query head (or one for all)."""
+    slopes = _float_vector(slopes, "alibi: slopes")
+    return ScoreMod("alibi", _alibi_np, _alibi_scalar,
+                    "s + slopes[min(h, slopes_shape0 - 1)] * (float)(j - i)",
+                    _ones_np, _one_scalar, "1.0f", buffers={"slopes": slopes},
+                    check=_heads_check("alibi", {"slopes": slopes}), params={"heads": slopes.shape[0]})
+
+
+def alibi_slopes(H: int) -> np.ndarray:
+    """The ALiBi paper's slopes for H heads: -2**(-8 k / H), k = 1..H (negative: farther keys lose)."""
+    return -(2.0 ** (-8.0 * np.arange(1, H + 1) / H))
+
+
+def _relative_np(s, b, h, i, j, table):
+    dist = table.shape[1] // 2
+    return s + table[np.minimum(h, table.shape[0] - 1), np.clip(j - i, -dist, dist) + dist]
+
+
+def _relative_scalar(s, b, h, i, j, table):
+    dist = table.shape[1] // 2
+    return s + table[min(h, table.shape[0] - 1), min(max(j - i, -dist), dist) + dist]
+
+
+def relative_bias(table, max_distance: int) -> ScoreMod:
+    """s + table[h, clip(j - i, -max_distance, max_distance) + max_distance]; table (Hq or 1, 2 D + 1)."""
+    if isinstance(max_distance, (bool, np.bool_)) or not isinstance(max_distance, (int, np.integer)):
+        raise TypeError(f"relative_bias: max_distance must be an int, got {max_distance!r}")
+    if max_distance < 0:
+        raise ValueError(f"relative_bias: max_distance must be >= 0, got {max_distance}")
+    table = np.array(table, dtype=np.float64)
+    if table.ndim != 2 or table.shape[1] != 2 * max_distance + 1:
+        raise ValueError(f"relative_bias: table must have shape (heads, 2 * max_distance + 1) = "
+                         f"(heads, {2 * max_distance + 1}), got {table.shape}")
+    return ScoreMod("relative_bias", _relative_np, _relative_scalar,
+                    "s + table[min(h, table_shape0 - 1) * table_shape1 + "
+                    "min(max(j - i, -(table_shape1 / 2)), table_shape1 / 2) + table_shape1 / 2]",
+                    _ones_np, _one_scalar, "1.0f", buffers={"table": table},
+                    check=_heads_check("relative_bias", {"table": table}),
+                    params={"max_distance": int(max_distance)})
+
+
+def _identity_np(s, b, h, i, j):
+    return s
+
+
+def _identity_scalar(s, b, h, i, j):
+    return s
+
+
+def identity() -> ScoreMod:
+    """mod(s) = s: the plain scores (the base of `sinks`)."""
+    return ScoreMod("identity", _identity_np, _identity_scalar, "s", _ones_np, _one_scalar, "1.0f")
+
+
+def sinks(logits) -> ScoreMod:
+    """Attention sinks: a learned logit per head in the softmax denominator, with no value row
+    (module docstring). Combine with another modifier through `mod.with_sinks(logits)`."""
+    mod = identity().with_sinks(logits)
+    return dataclasses.replace(mod, name="sinks", params={"heads": mod.sink.shape[0]})
+
+
+def _float_vector(x, what):
+    arr = np.array(x, dtype=np.float64) if not isinstance(x, str) else None
+    if arr is None or arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{what} must be a non-empty 1-D array of numbers")
+    return arr
+
+
+def sink_grad(dout, out, lse, score_mod: ScoreMod) -> np.ndarray:
+    """d loss / d sink_h = -sum_{b,i} exp(sink_h - lse_bhi) D_bhi, D = rowsum(dout * out), per query
+    head, for loss = sum(out * dout) (float64 [Hq]; a one-logit sink sums over the heads)."""
+    dout, out, lse = (np.asarray(x, np.float64) for x in (dout, out, lse))
+    H = out.shape[1]
+    D = np.sum(dout * out, axis=-1)
+    p_sink = np.exp(score_mod.sink_logits(H)[..., 0] - lse)
+    g = -np.sum(p_sink * D, axis=(0, 2))
+    return g if score_mod.sink.shape[0] == H else g.sum(keepdims=True)
+
+
+# ---- built-in mask modifiers
+
+def _document_np(b, h, i, j, q_ids, kv_ids):
+    return q_ids[np.minimum(b, q_ids.shape[0] - 1), i] == kv_ids[np.minimum(b, kv_ids.shape[0] - 1), j]
+
+
+def _document_scalar(b, h, i, j, q_ids, kv_ids):
+    return q_ids[min(b, q_ids.shape[0] - 1), i] == kv_ids[min(b, kv_ids.shape[0] - 1), j]
+
+
+def document(seq_ids, kv_seq_ids=None) -> MaskMod:
+    """Document (packed-sequence) mask: query i sees key j iff they carry the same sequence id.
+    seq_ids: int (Nq,) or (B, Nq); kv_seq_ids: the keys' (default: seq_ids, for Nq == Nk)."""
+    q_ids = _int_ids(seq_ids, "document: seq_ids")
+    kv_ids = q_ids if kv_seq_ids is None else _int_ids(kv_seq_ids, "document: kv_seq_ids")
+
+    def check(B, Hq, Nq, Nk):
+        for what, ids, n in (("seq_ids", q_ids, Nq), ("kv_seq_ids", kv_ids, Nk)):
+            if ids.shape[0] not in (1, B) or ids.shape[1] != n:
+                raise ValueError(f"document: {what} has shape {ids.shape}; need (1 or B={B}, {n})")
+
+    return MaskMod("document", _document_np, _document_scalar,
+                   "q_ids[min(b, q_ids_shape0 - 1) * q_ids_shape1 + i] == "
+                   "kv_ids[min(b, kv_ids_shape0 - 1) * kv_ids_shape1 + j]",
+                   buffers={"q_ids": q_ids, "kv_ids": kv_ids}, check=check,
+                   params={"documents": int(len(np.unique(q_ids)))})
+
+
+def _prefix_np(b, h, i, j, prefix):
+    return (j <= i) | (j < prefix[np.minimum(b, prefix.shape[0] - 1)])
+
+
+def _prefix_scalar(b, h, i, j, prefix):
+    return j <= i or j < prefix[min(b, prefix.shape[0] - 1)]
+
+
+def prefix_lm(prefix_len) -> MaskMod:
+    """Prefix-LM: keys before prefix_len are visible to every query, the rest causally (j <= i).
+    prefix_len: an int, or one per batch entry."""
+    prefix = np.array(prefix_len)
+    if prefix.dtype.kind not in "iu" or prefix.ndim > 1:
+        raise TypeError(f"prefix_lm: prefix_len must be an int or a 1-D int array, got {prefix_len!r}")
+    prefix = prefix.reshape(-1).astype(np.int64)
+    if prefix.size == 0 or (prefix < 0).any():
+        raise ValueError(f"prefix_lm: prefix_len must be >= 0, got {prefix_len!r}")
+
+    def check(B, Hq, Nq, Nk):
+        if prefix.shape[0] not in (1, B):
+            raise ValueError(f"prefix_lm: prefix_len has {prefix.shape[0]} entries; need 1 or B={B}")
+
+    return MaskMod("prefix_lm", _prefix_np, _prefix_scalar,
+                   "j <= i || j < prefix[min(b, prefix_shape0 - 1)]",
+                   buffers={"prefix": prefix}, check=check, params={"prefix_len": prefix.tolist()})
+
+
+def _int_ids(ids, what):
+    arr = np.array(ids)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.size == 0:
+        raise ValueError(f"{what} must have shape (N,) or (B, N), got {np.shape(ids)}")
+    if np.abs(arr).max() >= 2**31:
+        raise ValueError(f"{what} must fit in int32")
+    return arr.astype(np.int64)
+
+
+# ---- checks of the twins (used by sandbox.fuzz)
+
+def twin_errors(mod, B=1, H=2, Nq=5, Nk=6, seed=0, rtol=1e-5) -> list[str]:
+    """Where a modifier's scalar form disagrees with its NumPy form (and, for a ScoreMod with a
+    derivative, where the NumPy derivative disagrees with a central difference of the NumPy form)
+    on a small random problem: a list of messages, empty if they agree."""
+    rng = np.random.default_rng(seed)
+    b, h, i, j = index_grids(B, H, np.arange(Nq), Nk)
+    shape = (B, H, Nq, Nk)
+    idx = [np.broadcast_to(x, shape) for x in (b, h, i, j)]
+    bufs = list(mod.buffers.values())
+    errs = []
+    if isinstance(mod, MaskMod):
+        vec = np.broadcast_to(mod.visible(B, H, np.arange(Nq), Nk), shape)
+        for e in np.ndindex(*shape):
+            if bool(mod.scalar(*(int(x[e]) for x in idx), *bufs)) != bool(vec[e]):
+                errs.append(f"mask_mod {mod.name!r}: scalar and NumPy forms differ at (b, h, i, j) = {e}")
+                break
+        return errs
+    s = rng.standard_normal(shape) * 3.0
+    vec = mod.apply(s, b, h, i, j)
+    for e in np.ndindex(*shape):
+        got = mod.scalar(float(s[e]), *(int(x[e]) for x in idx), *bufs)
+        if not math.isclose(got, vec[e], rel_tol=rtol, abs_tol=rtol):
+            errs.append(f"score_mod {mod.name!r}: scalar form {got!r} != NumPy form {vec[e]!r} at {e}")
+            break
+    if mod.has_grad:
+        step = 1e-6
+        fd = (mod.apply(s + step, b, h, i, j) - mod.apply(s - step, b, h, i, j)) / (2 * step)
+        g = mod.derivative(s, b, h, i, j)
+        bad = ~np.isclose(g, fd, rtol=1e-4, atol=1e-6)
+        if bad.any():
+            errs.append(f"score_mod {mod.name!r}: grad differs from the finite difference of the NumPy form "
+                        f"at {np.argwhere(bad)[0].tolist()}")
+        for e in np.ndindex(*shape):
+            got = mod.scalar_grad(float(s[e]), *(int(x[e]) for x in idx), *bufs)
+            if not math.isclose(got, g[e], rel_tol=rtol, abs_tol=rtol):
+                errs.append(f"score_mod {mod.name!r}: scalar_grad {got!r} != grad {g[e]!r} at {e}")
+                break
+    return errs

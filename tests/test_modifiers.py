@@ -1,0 +1,345 @@
+"""Score and mask modifiers (issue 18): validation, the oracle's semantics, tile classification,
+the Numba variants under the CUDA simulator against the oracle, and a user's modifier with a
+deliberately wrong NumPy twin that the fuzzer must catch. Tiny shapes and few examples: fast on CI."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+
+import sandbox
+from sandbox import fuzz, modifiers, oracle
+from sandbox.masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, BlockSparse, classify_tiles, classify_tiles_mod
+from sandbox.modifiers import MaskMod, ScoreMod
+from sandbox.registry import all_variants
+
+NUMBA = sorted(n for n, v in all_variants().items() if v.backend == "numba")
+# examples per variant and direction: numba-rowwise simulates cheaply, the tiled kernels do not
+EXAMPLES = {"numba-rowwise": 12}
+
+
+def qkv(B=1, Hq=2, Hkv=2, Nq=5, Nk=6, d=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, Hq, Nq, d)), rng.standard_normal((B, Hkv, Nk, d)),
+            rng.standard_normal((B, Hkv, Nk, d)))
+
+
+# ---- a user's modifier: a quadratic distance penalty, and a wrong NumPy twin of it
+
+def _quad_scalar(s, b, h, i, j, alpha):
+    return s - alpha[0] * (j - i) * (j - i)
+
+
+def _quad_np(s, b, h, i, j, alpha):
+    return s - alpha[0] * (j - i) ** 2
+
+
+def _quad_wrong_np(s, b, h, i, j, alpha):
+    return s - alpha[0] * np.abs(j - i)            # the bug: |j - i| where the kernel squares it
+
+
+def _one_np(s, b, h, i, j, alpha):
+    return np.ones_like(s)
+
+
+def _one_scalar(s, b, h, i, j, alpha):
+    return 1.0
+
+
+def quadratic(alpha=0.3, numpy_form=_quad_np) -> ScoreMod:
+    return ScoreMod("quadratic_distance", numpy_form, _quad_scalar, "s - alpha[0] * (float)((j - i) * (j - i))",
+                    grad=_one_np, scalar_grad=_one_scalar, cuda_grad="1.0f", buffers={"alpha": [alpha]})
+
+
+# ---- validation
+
+@pytest.mark.parametrize("make,error,match", [
+    (lambda: modifiers.softcap(0.0), ValueError, "softcap: cap"),
+    (lambda: modifiers.softcap("1"), TypeError, "softcap: cap"),
+    (lambda: modifiers.alibi([[1.0]]), ValueError, "alibi: slopes"),
+    (lambda: modifiers.relative_bias(np.zeros((2, 4)), 2), ValueError, "relative_bias: table"),
+    (lambda: modifiers.relative_bias(np.zeros((2, 5)), 2.0), TypeError, "max_distance"),
+    (lambda: modifiers.sinks([]), ValueError, "sink logits"),
+    (lambda: modifiers.sinks([np.inf]), ValueError, "sink logits"),
+    (lambda: modifiers.document([0.5, 1.0]), TypeError, "document: seq_ids"),
+    (lambda: modifiers.prefix_lm(-1), ValueError, "prefix_lm: prefix_len"),
+    (lambda: modifiers.prefix_lm(2.5), TypeError, "prefix_lm: prefix_len"),
+    (lambda: ScoreMod("x", None, _quad_scalar, "s"), TypeError, "numpy"),
+    (lambda: ScoreMod("x", _quad_np, _quad_scalar, ""), TypeError, "cuda"),
+    (lambda: ScoreMod("x", _quad_np, _quad_scalar, "s", grad=_one_np), ValueError, "all three forms"),
+    (lambda: ScoreMod("x", _quad_np, _quad_scalar, "s", buffers={"j": [1.0]}), ValueError, "buffer name 'j'"),
+    (lambda: ScoreMod("x", _quad_np, _quad_scalar, "s", buffers={"a": ["x"]}), TypeError, "buffer 'a'"),
+    (lambda: MaskMod("", _quad_np, _quad_scalar, "true"), TypeError, "MaskMod name"),
+])
+def test_modifier_arguments_are_validated(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    ({"score_mod": "softcap"}, TypeError, "score_mod must be"),
+    ({"mask_mod": modifiers.softcap(1.0)}, TypeError, "mask_mod must be"),
+    ({"score_mod": modifiers.alibi([0.1, 0.2, 0.3])}, ValueError, "alibi: slopes has 3 heads"),
+    ({"mask_mod": modifiers.document([0, 0, 1])}, ValueError, "document: seq_ids"),
+    ({"score_mod": modifiers.sinks([1.0, 2.0, 3.0])}, ValueError, "sink logits"),
+])
+def test_api_validates_modifiers_before_launch(kw, error, match):
+    q, k, v = (x.astype(np.float32) for x in qkv())
+    with pytest.raises(error, match=match):
+        sandbox.forward(q, k, v, variant="numba-rowwise", **kw)
+
+
+def test_variants_without_the_capability_refuse_modifiers():
+    q, k, v = (x.astype(np.float32) for x in qkv())
+    for kw, cap in (({"score_mod": modifiers.softcap(5.0)}, "score_mod"),
+                    ({"mask_mod": modifiers.prefix_lm(2)}, "mask_mod")):
+        with pytest.raises(ValueError, match=rf"variant 'standard'.*\({cap}\)"):
+            sandbox.forward(q, k, v, variant="standard", **kw)       # no GPU here: refused before any launch
+    rows = {r["name"]: r["capabilities"] for r in sandbox.variants()}
+    assert rows["numba-rowwise"]["score_mod"] and rows["numba-rowwise"]["mask_mod"]
+    assert not rows["standard"]["score_mod"] and not rows["fa2-tc"]["mask_mod"]
+
+
+def test_forward_only_modifier_refuses_the_backward():
+    mod = ScoreMod("forward_only", _quad_np, _quad_scalar, "s", buffers={"alpha": [0.1]})
+    q, k, v = (x.astype(np.float32) for x in qkv(Nq=2, Nk=2, d=2))
+    res = sandbox.forward(q, k, v, variant="numba-rowwise", score_mod=mod)
+    with pytest.raises(ValueError, match="no derivative"):
+        sandbox.backward(np.ones_like(q), res)
+    with pytest.raises(ValueError, match="no derivative"):
+        oracle.backward(np.ones_like(q), q, k, v, score_mod=mod)
+
+
+def test_backward_reuses_the_forwards_modifiers():
+    q, k, v = (x.astype(np.float32) for x in qkv(Nq=3, Nk=3, d=2))
+    mod = modifiers.softcap(2.0)
+    res = sandbox.forward(q, k, v, variant="numba-rowwise", score_mod=mod)
+    with pytest.raises(ValueError, match="score_mod=.*differs"):
+        sandbox.backward(np.ones_like(q), res, score_mod=modifiers.softcap(2.0))
+    sandbox.backward(np.ones_like(q), res, score_mod=mod)          # the forward's own object is fine
+
+
+# ---- the oracle's semantics
+
+def test_softcap_with_a_huge_cap_is_plain_attention():
+    q, k, v = qkv()
+    out, lse = oracle.forward(q, k, v, causal=True, score_mod=modifiers.softcap(1e6))
+    ref_out, ref_lse = oracle.forward(q, k, v, causal=True)
+    np.testing.assert_allclose(out, ref_out, atol=1e-9)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-9)
+    capped, _ = oracle.forward(q * 10, k, v, score_mod=modifiers.softcap(1.0))
+    assert not np.allclose(capped, oracle.forward(q * 10, k, v)[0], atol=1e-3)   # a small cap changes it
+
+
+def test_alibi_with_zero_slopes_is_plain_attention():
+    q, k, v = qkv(Hq=4, Hkv=2)
+    mod = modifiers.alibi(np.zeros(4))
+    for got, want in zip(oracle.forward(q, k, v, score_mod=mod), oracle.forward(q, k, v)):
+        np.testing.assert_array_equal(got, want)
+    dout = np.ones_like(q)
+    for got, want in zip(oracle.backward(dout, q, k, v, score_mod=mod), oracle.backward(dout, q, k, v)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_alibi_and_relative_bias_add_their_bias():
+    """ALiBi is a relative bias with one entry per distance: slope_h * (j - i) for |j - i| <= D."""
+    q, k, v = qkv(Nq=4, Nk=4)
+    slopes = np.array([-0.5, 0.25])
+    dist = 3
+    table = slopes[:, None] * np.arange(-dist, dist + 1)[None, :]
+    a = oracle.forward(q, k, v, score_mod=modifiers.alibi(slopes))
+    r = oracle.forward(q, k, v, score_mod=modifiers.relative_bias(table, dist))
+    for x, y in zip(a, r):
+        np.testing.assert_allclose(x, y, atol=1e-12)
+
+
+def test_sinks_are_an_extra_key_with_no_value():
+    """A sink logit per head equals one more key, visible to every row, whose score is sink_h and
+    whose value row is zero (built with an extra dimension of q and k)."""
+    q, k, v = qkv(Nq=4, Nk=5, d=3)
+    sink = np.array([0.7, -1.2])
+    scale = 1 / math.sqrt(3)
+    B, H, Nk, d = k.shape
+    q2 = np.concatenate([q, np.ones(q.shape[:3] + (1,))], axis=-1)
+    k_sink = np.zeros((B, H, 1, d + 1))
+    k_sink[..., 0, d] = sink / scale
+    k2 = np.concatenate([k_sink, np.concatenate([k, np.zeros(k.shape[:3] + (1,))], axis=-1)], axis=2)
+    v2 = np.concatenate([np.zeros((B, H, 1, d)), v], axis=2)
+    want_out, want_lse = oracle.forward(q2, k2, np.pad(v2, ((0, 0),) * 3 + ((0, 1),)), scale=scale)
+    out, lse = oracle.forward(q, k, v, score_mod=modifiers.sinks(sink))
+    np.testing.assert_allclose(out, want_out[..., :d], atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+    # a row that sees no key: out 0, lse = the sink
+    out, lse = oracle.forward(q, k, v, window=(0, -10), score_mod=modifiers.sinks(sink))
+    assert (out == 0).all() and np.allclose(lse, sink[None, :, None])
+
+
+def test_sink_gradient_by_finite_differences():
+    q, k, v = qkv(Nq=3, Nk=4, d=2)
+    dout = np.random.default_rng(1).standard_normal(q.shape)
+    sink = np.array([0.3, -0.4])
+    out, lse = oracle.forward(q, k, v, causal=True, score_mod=modifiers.sinks(sink))
+    got = modifiers.sink_grad(dout, out, lse, modifiers.sinks(sink))
+    loss = lambda s: np.sum(oracle.forward(q, k, v, causal=True, score_mod=modifiers.sinks(s))[0] * dout)  # noqa: E731
+    fd = [(loss(sink + e) - loss(sink - e)) / 2e-6 for e in np.eye(2) * 1e-6]
+    np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_document_mask_is_block_diagonal_attention():
+    q, k, v = qkv(B=2, Nq=7, Nk=7)
+    ids = np.array([[0, 0, 0, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 3]])
+    out, lse = oracle.forward(q, k, v, causal=True, mask_mod=modifiers.document(ids))
+    for b in range(2):
+        for doc in np.unique(ids[b]):
+            sel = ids[b] == doc
+            o, l = oracle.forward(q[b:b + 1, :, sel], k[b:b + 1, :, sel], v[b:b + 1, :, sel], causal=True)
+            np.testing.assert_allclose(out[b:b + 1, :, sel], o, atol=1e-12)
+            np.testing.assert_allclose(lse[b:b + 1, :, sel], l, atol=1e-12)
+
+
+def test_prefix_lm_is_its_element_mask():
+    q, k, v = qkv(Nq=6, Nk=6)
+    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+    layout = (j <= i) | (j < 3)
+    want = oracle.forward(q, k, v, block_mask=BlockSparse(layout, (1, 1)))
+    got = oracle.forward(q, k, v, mask_mod=modifiers.prefix_lm(3))
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("score_mod", [modifiers.softcap(1.5), quadratic(0.2),
+                                       modifiers.relative_bias(np.arange(6.0).reshape(2, 3) / 4, 1),
+                                       modifiers.softcap(2.0).with_sinks([0.5, -0.5])],
+                         ids=["softcap", "quadratic", "relative_bias", "softcap+sinks"])
+def test_gradients_by_finite_differences(score_mod):
+    """The oracle's backward through the modifier's derivative, against central differences of the
+    float64 forward (loss = sum(out * dout)), with a document mask and GQA."""
+    q, k, v = qkv(Hq=2, Hkv=1, Nq=3, Nk=4, d=2, seed=3)
+    dout = np.random.default_rng(4).standard_normal(q.shape)
+    kw = dict(causal=True, score_mod=score_mod, mask_mod=modifiers.document([0, 0, 1], [0, 0, 0, 1]))
+    grads = oracle.backward(dout, q, k, v, **kw)
+    for which, (x, g) in enumerate(zip((q, k, v), grads)):
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(*x.shape):
+            args = [q, k, v]
+            hi, lo = x.copy(), x.copy()
+            hi[idx] += 1e-6
+            lo[idx] -= 1e-6
+            args[which] = hi
+            up = np.sum(oracle.forward(*args, **kw)[0] * dout)
+            args[which] = lo
+            fd[idx] = (up - np.sum(oracle.forward(*args, **kw)[0] * dout)) / 2e-6
+        np.testing.assert_allclose(g, fd, rtol=1e-5, atol=1e-7)
+
+
+# ---- tile classification from a mask modifier
+
+@pytest.mark.parametrize("mask_mod", [modifiers.document([[0, 0, 0, 1, 1, 1, 2, 2, 2, 2]] * 2),
+                                      modifiers.prefix_lm([3, 7])], ids=["document", "prefix_lm"])
+def test_tile_classes_of_a_mask_modifier_are_exact(mask_mod):
+    B, H, N = 2, 2, 10
+    layout = np.ones((H, 4, 4), bool)
+    layout[1, 2, 1] = False                                   # one block off, in head 1
+    bm = BlockSparse(layout, (3, 3))
+    for band, (br, bc) in ((Band.from_options(N, N, False, (None, 6)), (2, 2)),
+                           (Band.from_options(N, N, True, None), (4, 3))):
+        tiles = classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm)
+        vis = (mask_mod.visible(B, H, np.arange(N), N) & band.element_mask(N, N) & bm.element_mask(N, N)[None])
+        vis = np.broadcast_to(vis, (B, H, N, N))
+        for b, h, tr, tc in np.ndindex(B, H, *tiles.shape[2:]):
+            t = vis[b, h, tr * br:(tr + 1) * br, tc * bc:(tc + 1) * bc]
+            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else TILE_PARTIAL)
+            assert tiles[min(b, tiles.shape[0] - 1), min(h, tiles.shape[1] - 1), tr, tc] == want
+        assert classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm) is tiles          # cached
+    tiles = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band(), bm)
+    assert {TILE_EMPTY, TILE_FULL, TILE_PARTIAL} <= set(np.unique(tiles).tolist())
+
+
+def test_an_all_visible_mask_modifier_keeps_the_band_classes():
+    everything = MaskMod("all", lambda b, h, i, j: (j >= 0) & (i >= 0), lambda b, h, i, j: True, "true")
+    band = Band.from_options(9, 11, True, (4, None))
+    tiles = classify_tiles_mod(everything, 1, 1, 9, 11, 4, 4, band)
+    np.testing.assert_array_equal(tiles, classify_tiles(9, 11, 4, 4, band)[None])
+
+
+# ---- the Numba variants against the oracle (CUDA simulator on the CPU)
+
+@pytest.mark.simulator
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("name", NUMBA)
+def test_numba_variants_with_modifiers_match_the_oracle(name, direction):
+    variant = all_variants()[name]
+    assert variant.caps.score_mod and variant.caps.mask_mod
+    bound = sandbox.get_variant(name, **getattr(variant.impl, "SIMULATOR_PARAMS", {}))
+    limits = fuzz.Limits(max_n=5, max_batch_heads=2, dims=(1, 2))
+
+    @settings(max_examples=EXAMPLES.get(name, 4), deadline=None, database=None, derandomize=True)
+    @given(fuzz.cases(bound, "float32", limits, score_mods=fuzz.SCORE_MODS, mask_mods=fuzz.MASK_MODS))
+    def check(case):
+        fuzz.assert_case(bound, case, direction)
+
+    check()
+
+
+@pytest.mark.simulator
+def test_every_builtin_runs_in_numba_rowwise():
+    """Each built-in score modifier once, forward and backward, with a document mask (the Hypothesis
+    tests above draw a few of them at random)."""
+    bound = sandbox.get_variant("numba-rowwise")
+    rng = np.random.default_rng(5)
+    for factory in fuzz.SCORE_MODS:
+        case = fuzz.Case(1, 2, 1, 4, 5, 2, "float32", {"score_mod": factory(rng, 1, 2, 4, 5),
+                                                        "mask_mod": fuzz.MASK_MODS[0](rng, 1, 2, 4, 5)}, 7)
+        fuzz.assert_case(bound, case, "backward")
+
+
+@pytest.mark.simulator
+def test_user_modifier_matches_the_oracle():
+    bound = sandbox.get_variant("numba-rowwise")
+    case = fuzz.Case(1, 2, 2, 5, 6, 2, "float32", {"score_mod": quadratic(0.3), "causal": True}, 11)
+    fuzz.assert_case(bound, case, "backward")
+
+
+@pytest.mark.simulator
+def test_the_fuzzer_catches_a_wrong_numpy_twin():
+    bound = sandbox.get_variant("numba-rowwise")
+    wrong = lambda rng, B, Hq, Nq, Nk: quadratic(0.3, numpy_form=_quad_wrong_np)  # noqa: E731
+    # one case directly: the kernel (scalar form) disagrees with the oracle (NumPy form), and the
+    # twin check says why
+    case = fuzz.Case(1, 2, 2, 5, 6, 2, "float32", {"score_mod": wrong(None, 1, 2, 5, 6)}, 11)
+    verdicts = {v.name: v for v in fuzz.check_case(bound, case)}
+    assert not verdicts["out"].ok and not verdicts["lse"].ok
+    assert not verdicts["score_mod"].ok and "scalar form" in verdicts["score_mod"].why
+    # and the fuzzer, drawing problems: it reports the failure (no shrinking, to stay fast)
+    limits = fuzz.Limits(max_n=5, max_batch_heads=2, dims=(1, 2))
+
+    @settings(max_examples=5, deadline=None, database=None, derandomize=True, phases=[Phase.generate])
+    @given(fuzz.cases(bound, "float32", limits, score_mods=(wrong,)))
+    def run(case):
+        fuzz.assert_case(bound, case)
+
+    with pytest.raises(AssertionError, match="quadratic_distance"):
+        run()
+
+
+def test_twin_checks_pass_for_every_builtin():
+    rng = np.random.default_rng(2)
+    for factory in fuzz.SCORE_MODS + fuzz.MASK_MODS:
+        mod = factory(rng, 2, 2, 5, 6)
+        assert modifiers.twin_errors(mod, 2, 2, 5, 6) == [], mod
+    assert modifiers.twin_errors(quadratic()) == []
+    bad_grad = ScoreMod("bad_grad", modifiers._softcap_np, modifiers._softcap_scalar, "s",
+                        grad=lambda s, b, h, i, j, cap: np.ones_like(s),        # the bug: tanh's slope is not 1
+                        scalar_grad=lambda s, b, h, i, j, cap: 1.0, cuda_grad="1.0f", buffers={"cap": [1.0]})
+    assert any("finite difference" in e for e in modifiers.twin_errors(bad_grad))
+
+
+def test_cuda_text_renders_a_device_function():
+    text = modifiers.relative_bias(np.zeros((2, 5)), 2).cuda_function()
+    assert "__device__ __forceinline__ float score_mod(float s, int b, int h, int i, int j, " \
+           "const float* __restrict__ table, int table_shape0, int table_shape1)" in text
+    assert "score_mod_grad" in text
+    assert modifiers.softcap(1.0).cuda_key == modifiers.softcap(2.0).cuda_key    # buffers are data, not text
+    assert modifiers.softcap(1.0).cuda_key != modifiers.alibi([0.1]).cuda_key
+    assert "bool mask_mod(int b, int h, int i, int j, const int* __restrict__ prefix" in \
+        modifiers.prefix_lm(3).cuda_function()
