@@ -282,10 +282,11 @@ def test_numba_variants_with_modifiers_match_the_oracle(name, direction):
 
 
 @pytest.mark.simulator
-def test_every_builtin_runs_in_numba_rowwise():
+@pytest.mark.parametrize("name", NUMBA)
+def test_every_builtin_runs_in_the_numba_variants(name):
     """Each built-in score modifier once, forward and backward, with a document mask (the Hypothesis
     tests above draw a few of them at random)."""
-    bound = sandbox.get_variant("numba-rowwise")
+    bound = sandbox.get_variant(name, **getattr(all_variants()[name].impl, "SIMULATOR_PARAMS", {}))
     rng = np.random.default_rng(5)
     for factory in fuzz.SCORE_MODS:
         case = fuzz.Case(1, 2, 1, 4, 5, 2, "float32", {"score_mod": factory(rng, 1, 2, 4, 5),
@@ -343,3 +344,46 @@ def test_cuda_text_renders_a_device_function():
     assert modifiers.softcap(1.0).cuda_key != modifiers.alibi([0.1]).cuda_key
     assert "bool mask_mod(int b, int h, int i, int j, const int* __restrict__ prefix" in \
         modifiers.prefix_lm(3).cuda_function()
+
+
+def test_scalar_forms_compile_in_nopython_mode():
+    """Every built-in's scalar forms compile with Numba's nopython mode on the CPU, with the buffer
+    dtypes the kernels pass (float32, int32): a proxy for cuda.jit(device=True), which the simulator
+    never compiles."""
+    import numba
+    from variants.numba_rowwise import _device_buffer
+    rng = np.random.default_rng(3)
+    for factory in fuzz.SCORE_MODS + fuzz.MASK_MODS:
+        mod = factory(rng, 2, 2, 5, 6)
+        bufs = [_device_buffer(a) for a in mod.buffers.values()]
+        if isinstance(mod, ScoreMod):
+            for fn in (mod.scalar, mod.scalar_grad):
+                got = numba.njit(fn)(np.float32(0.7), 1, 1, 3, 2, *bufs)
+                assert math.isfinite(got), mod
+        else:
+            assert numba.njit(mod.scalar)(1, 1, 3, 2, *bufs) in (True, False), mod
+
+
+@pytest.mark.simulator
+def test_tiled_kernels_skip_empty_tiles_and_test_only_partial_ones():
+    """numba-fa2 (8 x 8 tiles) evaluates a mask modifier's scalar form only inside PARTIAL tiles: a
+    recording predicate (possible under the simulator only, where device functions are Python) is
+    never called in the EMPTY and FULL tiles of a document mask."""
+    from sandbox import numba_support as nb
+    if not nb.SIMULATOR:
+        pytest.skip("records calls from Python: simulator only")
+    calls = []
+
+    def recording(b, h, i, j, q_ids, kv_ids):
+        calls.append((i, j))
+        return modifiers._document_scalar(b, h, i, j, q_ids, kv_ids)
+
+    ids = np.array([0] * 8 + [1] * 4 + [2] * 4)          # tile (0, 0) is FULL, (1, 1) PARTIAL, the rest EMPTY
+    mask = MaskMod("recorded_document", modifiers._document_np, recording, "true",
+                   buffers={"q_ids": ids[None], "kv_ids": ids[None]})
+    q, k, v = (x.astype(np.float32) for x in qkv(Hq=1, Hkv=1, Nq=16, Nk=16, d=2))
+    bound = sandbox.get_variant("numba-fa2", block_r=8, block_c=8, threads=32)
+    res = sandbox.forward(q, k, v, variant=bound, mask_mod=mask)
+    want = oracle.forward(q, k, v, mask_mod=modifiers.document(ids))
+    np.testing.assert_allclose(res.out, want[0], atol=1e-5)
+    assert calls and {(i // 8, j // 8) for i, j in calls} == {(1, 1)}
