@@ -183,6 +183,15 @@ def test_sink_gradient_by_finite_differences():
     loss = lambda s: np.sum(oracle.forward(q, k, v, causal=True, score_mod=modifiers.sinks(s))[0] * dout)  # noqa: E731
     fd = [(loss(sink + e) - loss(sink - e)) / 2e-6 for e in np.eye(2) * 1e-6]
     np.testing.assert_allclose(got, fd, rtol=1e-6, atol=1e-8)
+    # from a kernel's out and lse (numba-rowwise, float32): what a training step would call
+    f32 = [x.astype(np.float32) for x in (q, k, v)]
+    res = sandbox.forward(*f32, variant="numba-rowwise", causal=True, score_mod=modifiers.sinks(sink))
+    np.testing.assert_allclose(modifiers.sink_grad(dout, res.out, res.lse, modifiers.sinks(sink)), fd, atol=1e-5)
+    one = modifiers.sinks([0.3])                                   # one logit shared by the heads: summed
+    out1, lse1 = oracle.forward(q, k, v, causal=True, score_mod=one)
+    loss1 = lambda s: np.sum(oracle.forward(q, k, v, causal=True, score_mod=modifiers.sinks([s]))[0] * dout)  # noqa: E731
+    np.testing.assert_allclose(modifiers.sink_grad(dout, out1, lse1, one), [(loss1(0.3 + 1e-6) - loss1(0.3 - 1e-6)) / 2e-6],
+                               rtol=1e-6)
 
 
 def test_document_mask_is_block_diagonal_attention():
@@ -387,3 +396,17 @@ def test_tiled_kernels_skip_empty_tiles_and_test_only_partial_ones():
     want = oracle.forward(q, k, v, mask_mod=modifiers.document(ids))
     np.testing.assert_allclose(res.out, want[0], atol=1e-5)
     assert calls and {(i // 8, j // 8) for i, j in calls} == {(1, 1)}
+
+
+def test_cuda_text_of_every_builtin_compiles_with_nvrtc():
+    """The CUDA C forms, rendered as device functions, compile with NVRTC (no GPU needed), each in
+    its own namespace of one program; a broken expression does not."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for NVRTC")
+    from sandbox import loader
+    rng = np.random.default_rng(0)
+    mods = [f(rng, 2, 2, 5, 6) for f in fuzz.SCORE_MODS + fuzz.MASK_MODS] + [quadratic()]
+    text = "".join(f"namespace m{n} {{\n{m.cuda_function()}}}\n" for n, m in enumerate(mods))
+    loader._nvrtc_build("modifiers.cu", text, ["-std=c++17"], (), "sm_90")
+    broken = ScoreMod("broken", _quad_np, _quad_scalar, "s - alpha[0] * (j - i) *", buffers={"alpha": [0.1]})
+    with pytest.raises(RuntimeError, match="NVRTC failed"):
+        loader._nvrtc_build("broken.cu", broken.cuda_function(), ["-std=c++17"], (), "sm_90")
