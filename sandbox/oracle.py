@@ -183,7 +183,7 @@ def output_rounding_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.
     Hkv = np.shape(k)[1]
     q, kr, vr, scale, g = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _, vis = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x, score_mod, mask_mod)
+    p, _, _ = _probabilities(q, kr, scale, causal, window, block_mask, lambda x: x, score_mod, mask_mod)
     z = _dropout(p.shape, dropout_p, seed, offset, philox_rounds)
     out = np.einsum("bhij,bhjd->bhid", p if z is None else p * z, vr)
     rms = np.sqrt(np.sum((dout * out) ** 2, axis=-1, keepdims=True))          # [B, H, Nq, 1]
