@@ -309,17 +309,19 @@ def _device_buffer(arr):
     return nb.asarray(np.ascontiguousarray(arr, dtype=dtype))
 
 
-def _buffer_slots(mod):
-    """MAX_BUFFERS device arrays: the modifier's buffers in order, then dummies."""
+def _buffer_slots(mod, dummy):
+    """MAX_BUFFERS device arrays: the modifier's buffers in order, then the dummy (never read)."""
     bufs = [] if mod is None else [_device_buffer(a) for a in mod.buffers.values()]
-    return tuple(bufs) + tuple(nb.zeros((1,), np.float32) for _ in range(MAX_BUFFERS - len(bufs)))
+    return tuple(bufs) + (dummy,) * (MAX_BUFFERS - len(bufs))
 
 
 def _mod_args(p):
-    """The kernels' trailing arguments: score buffers, mask buffers, sink logits (or a dummy)."""
+    """The kernels' trailing arguments: score buffers, mask buffers, sink logits (unused slots share
+    one dummy array, so a call without modifiers allocates one)."""
+    dummy = nb.zeros((1,), np.float32)
     sm = p.score_mod
-    sink = nb.zeros((1,), np.float32) if sm is None or sm.sink is None else _device_buffer(sm.sink)
-    return (*_buffer_slots(sm), *_buffer_slots(p.mask_mod), sink)
+    sink = dummy if sm is None or sm.sink is None else _device_buffer(sm.sink)
+    return (*_buffer_slots(sm, dummy), *_buffer_slots(p.mask_mod, dummy), sink)
 
 
 def _grid(n):
