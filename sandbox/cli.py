@@ -129,7 +129,7 @@ def cmd_list(args):
     rows = []
     for v in variants():
         caps = v["capabilities"]
-        feats = [f for f in ("backward", "causal", "window", "block_sparse", "dropout", "gqa") if caps[f]]
+        feats = [f for f in ("backward", "causal", "window", "block_sparse", "dropout", "gqa", "score_mod", "mask_mod") if caps[f]]
         params = ", ".join(f"{k}∈{p['choices']}" for k, p in v["params"].items()) or "-"
         rows.append((v["name"], v["family"], v["backend"], "/".join(caps["dtypes"]), caps["head_dims"],
                      " ".join(feats), params))
