@@ -253,7 +253,7 @@ def cmd_fuzz(args):
 
 def cmd_compile_report(args):
     from . import compile_report
-    rows = compile_report.report(tuple(args.arch.split(",")))
+    rows = compile_report.report(tuple(args.arch.split(",")), gate=args.gate)
     print(compile_report.markdown(rows))
     spills = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     tuned_spills = [r for r in spills if r["tuned"]]
@@ -292,6 +292,8 @@ def main(argv=None):
     s.set_defaults(fn=cmd_fuzz)
     s = sub.add_parser("compile-report", help="NVRTC build of every CUDA variant, resources per kernel")
     s.add_argument("--arch", default="sm_80,sm_90")
+    s.add_argument("--gate", action="store_true", help="the defaults and tuned configs only (the CI gate); "
+                   "without it every config of report_configs()")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_compile_report)
     args = p.parse_args(argv)

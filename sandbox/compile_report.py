@@ -23,27 +23,32 @@ ARCHS = DEFAULT_ARCHS                                        # sm_80, sm_90
 SMEM_LIMIT = {a: SMEM_PER_BLOCK_OPTIN[a] for a in ARCHS}    # max shared memory per block (opt-in)
 
 
-def configs(variant) -> list:
+def configs(variant, gate: bool = False) -> list:
     """The bound configs the report builds for a CUDA variant: its default, then every entry of
-    `report_configs()` (default [{}]), each once."""
+    `report_configs()` (default [{}]), each once. `gate`: the default and the configs its `tuned`
+    accepts only (the registry's defaults and tuned tables: what the CI gate must cover; the rest of
+    report_configs() compiles in the full report)."""
     seen, out = set(), []
+    tuned = getattr(variant.impl, "tuned", None)
     for params in [{}, *getattr(variant.impl, "report_configs", lambda: [{}])()]:
         bound = variant.bind(**params)
         key = tuple(sorted(bound.params.items(), key=lambda kv: kv[0]))
-        if key not in seen:
-            seen.add(key)
-            out.append(bound)
+        if key in seen or (gate and params and tuned is not None and not tuned(bound.config)):
+            continue
+        seen.add(key)
+        out.append(bound)
     return out
 
 
-def units():
-    """(variant name, bound config, CompileUnit) for every CUDA variant and every config it lists,
-    then the kernels that are not attention variants (the lecture's softmax algorithms)."""
+def units(gate: bool = False):
+    """(variant name, bound config, CompileUnit) for every CUDA variant and every config it lists
+    (`gate`: see configs), then the kernels that are not attention variants (the lecture's softmax
+    algorithms)."""
     from . import softmax
     for v in all_variants().values():
         if v.backend != "cuda":
             continue
-        for bound in configs(v):
+        for bound in configs(v, gate):
             for unit in v.impl.compile_units(bound.config):
                 yield v.name, bound, unit
     yield "softmax", None, softmax.unit()
@@ -69,10 +74,11 @@ def kernel_jobs(entries, archs) -> dict:
     return jobs
 
 
-def report(archs=ARCHS, workers: int | None = None, progress: bool = True) -> list[dict]:
-    """One row per (variant, config, unit, kernel, arch), the kernels built by `kernel_jobs`."""
+def report(archs=ARCHS, workers: int | None = None, progress: bool = True, gate: bool = False) -> list[dict]:
+    """One row per (variant, config, unit, kernel, arch), the kernels built by `kernel_jobs`; `gate`:
+    the defaults and tuned configs only (configs)."""
     limit = {arch: smem_per_block_optin(arch) for arch in archs}     # ValueError for an unknown arch
-    entries = list(units())
+    entries = list(units(gate))
     jobs = kernel_jobs(entries, archs)
     keys = list(jobs)
     builds = loader.build_many([(jobs[k], k[3]) for k in keys], workers,
@@ -110,11 +116,11 @@ def _tuned(bound, unit) -> bool:
     return True if tuned is None else tuned(bound.config, unit)
 
 
-def report_in_subprocess(archs=ARCHS):
+def report_in_subprocess(archs=ARCHS, gate: bool = False):
     """report() in a fresh interpreter: once CuPy has loaded its own libnvrtc into a process, NVRTC
     called through cuda.bindings there returned an empty log (seen on the GPU image), so the
     compile-only check keeps its own process."""
-    return ReportProcess(archs).rows()
+    return ReportProcess(archs, gate=gate).rows()
 
 
 class ReportProcess:
@@ -125,13 +131,14 @@ class ReportProcess:
     this process exits is killed. The rows come back also when the command fails on spills in
     tuned configs (its exit status 1), so that the caller's checks name them."""
 
-    def __init__(self, archs=ARCHS, nice: int = 0):
+    def __init__(self, archs=ARCHS, nice: int = 0, gate: bool = False):
         import atexit
         import subprocess
         import tempfile
         self._tmp = tempfile.TemporaryDirectory(prefix="fa-sandbox-report-")
         self.out = os.path.join(self._tmp.name, "report.json")
-        cmd = [sys.executable, "-m", "sandbox", "compile-report", "--arch", ",".join(archs), "--json", self.out]
+        cmd = [sys.executable, "-m", "sandbox", "compile-report", "--arch", ",".join(archs), "--json", self.out,
+               *(["--gate"] if gate else [])]
         renice = (lambda: os.nice(nice)) if nice and hasattr(os, "nice") else None
         # output to files, not pipes: nobody reads a pipe while the child runs ahead of time
         self._log = open(os.path.join(self._tmp.name, "output.txt"), "w+")

@@ -1,18 +1,19 @@
 """Compile-only build of every registered CUDA variant (no GPU needed).
 
 What is built (sandbox/compile_report.py): every CUDA variant's default config and each config of
-its `report_configs()`, every unit of `compile_units(config)`, each distinct kernel instantiation
-once (configs and variants that share a kernel share its build), in a thread pool, through the
-disk cache of sandbox/kernel_cache.py (CI starts with an empty one). The tests below also hold every
-key of every TUNED table to be a configuration of its variant that this build covers.
+its `report_configs()` that its `tuned` accepts (SANDBOX_COMPILE_FULL=1: every one), every unit of
+`compile_units(config)`, each distinct kernel instantiation once (configs and variants that share a
+kernel share its build), in a thread pool, through the disk cache of sandbox/kernel_cache.py (CI
+starts with an empty one). The tests below also hold every key of every TUNED table to be a
+configuration of its variant that this build covers.
 
 Fails on a compile error, on register spills in any config marked tuned, or on shared memory above
 the architecture's per-block limit.
 
-Architectures: by default sm_90 only, the H100 / H200 target (157 distinct kernels, about 300 s of
-CPU: 2.5-3.5 minutes on 2 cores with an empty cache, a few seconds with a warm one).
-SANDBOX_COMPILE_FULL=1 builds every architecture of compile_report.ARCHS (sm_80 as well, twice the
-work), as `python -m sandbox compile-report` does.
+Architectures: by default sm_90 only, the H100 / H200 target (155 distinct kernels, about 2.5-3.5 s
+of NVRTC each: 3-4 minutes on 2 cores with an empty cache beside the rest of the suite, a few
+seconds with a warm one). SANDBOX_COMPILE_FULL=1 builds every report config for every architecture
+of compile_report.ARCHS (sm_80 as well), as `python -m sandbox compile-report` does.
 """
 import copy
 import dataclasses
@@ -34,18 +35,19 @@ if has_gpu():
 
 FULL = os.environ.get("SANDBOX_COMPILE_FULL") == "1"
 ARCHS = compile_report.ARCHS if FULL else ("sm_90",)
+GATE = not FULL          # the defaults and tuned tables (compile_report.configs); FULL: every report config
 
 # The build starts when pytest imports this module (collection), in its own process at a lower CPU
 # priority: a single-process pytest run uses one core, and the build takes the other while the
 # tests collected before these run. A session that runs none of these tests kills it at exit.
 # Under pytest-xdist each worker would import this module: there the build starts on first use.
-REPORT = None if os.environ.get("PYTEST_XDIST_WORKER") else compile_report.ReportProcess(ARCHS, nice=10)
+REPORT = None if os.environ.get("PYTEST_XDIST_WORKER") else compile_report.ReportProcess(ARCHS, nice=10, gate=GATE)
 
 
 def rows():
     global REPORT
     if REPORT is None:
-        REPORT = compile_report.ReportProcess(ARCHS)
+        REPORT = compile_report.ReportProcess(ARCHS, gate=GATE)
     return REPORT.rows()
 
 
@@ -55,7 +57,7 @@ def cuda_variants():
 
 def test_every_cuda_variant_compiles_for_every_arch():
     names = {r["variant"] for r in rows()}
-    expected = {name for name, _, _ in compile_report.units()}
+    expected = {name for name, _, _ in compile_report.units(GATE)}
     assert expected and names == expected
     assert {r["arch"] for r in rows()} == set(ARCHS)
 
@@ -64,7 +66,7 @@ def test_every_listed_config_is_built():
     """Default and report_configs() of every CUDA variant: each unit of each, every kernel of each unit."""
     built = {(r["config"], r["unit"], r["kernel"], r["arch"]) for r in rows()}
     expected = {(repr(bound), unit.label, name, arch)
-                for name_, bound, unit in compile_report.units() if bound is not None
+                for name_, bound, unit in compile_report.units(GATE) if bound is not None
                 for name in unit.names for arch in ARCHS}
     assert expected and expected <= built
     for v in cuda_variants():
@@ -99,7 +101,7 @@ def _covering(v, key):
     the key describes, as the variant's own comparison reads it."""
     probe = copy.copy(v.impl)
     probe.TUNED = {key}
-    return [b for b in compile_report.configs(v) if probe.tuned(b.config)]
+    return [b for b in compile_report.configs(v, GATE) if probe.tuned(b.config)]
 
 
 def _launchable(v, bound) -> list[int]:
