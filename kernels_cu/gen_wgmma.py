@@ -36,28 +36,28 @@ def operands(n: int) -> tuple[str, str]:
     return regs, outs
 
 
+def smem_a(name: str, ptx: str, n: int, ta: int, tb: int) -> str:
+    """A method issuing the wgmma with A and B from shared memory; ta / tb: the transpose bits."""
+    regs, outs = operands(n)
+    k = n // 2
+    head = f"    static __device__ __forceinline__ void {name}("
+    return f"""
+{head}float (&d)[{n // 8}][4], unsigned long long desc_a,
+{" " * len(head)}unsigned long long desc_b, int accumulate) {{
+        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
+                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
+                     "{{{regs}}}, %{k}, %{k + 1}, p, 1, 1, {ta}, {tb};\\n}}\\n"
+                     : {outs}
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    }}"""
+
+
 def spec(ctype: str, ptx: str, n: int, trans: bool) -> str:
     regs, outs = operands(n)
     k = n // 2
     tb = 1 if trans else 0
     return f"""
-template <> struct Wgmma<{ctype}, {n}, {'true' if trans else 'false'}> {{
-    static __device__ __forceinline__ void ss(float (&d)[{n // 8}][4], unsigned long long desc_a,
-                                              unsigned long long desc_b, int accumulate) {{
-        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
-                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
-                     "{{{regs}}}, %{k}, %{k + 1}, p, 1, 1, 0, {tb};\\n}}\\n"
-                     : {outs}
-                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }}
-    static __device__ __forceinline__ void ss_ta(float (&d)[{n // 8}][4], unsigned long long desc_a,
-                                                 unsigned long long desc_b, int accumulate) {{
-        asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 2}, 0;\\n"
-                     "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
-                     "{{{regs}}}, %{k}, %{k + 1}, p, 1, 1, 1, {tb};\\n}}\\n"
-                     : {outs}
-                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-    }}
+template <> struct Wgmma<{ctype}, {n}, {'true' if trans else 'false'}> {{{smem_a("ss", ptx, n, 0, tb)}{smem_a("ss_ta", ptx, n, 1, tb)}
     static __device__ __forceinline__ void rs(float (&d)[{n // 8}][4], const unsigned (&a)[4],
                                               unsigned long long desc_b, int accumulate) {{
         asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{k + 5}, 0;\\n"
