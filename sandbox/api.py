@@ -92,6 +92,17 @@ def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed
                       problem, bound, (qb, kb, vb, out, lse), saved)
 
 
+def forward_checks(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0, window=None,
+                   block_mask=None, score_mod=None, mask_mod=None, **params) -> BoundVariant:
+    """Every rejection `forward` would raise for these arguments, without launching anything; the
+    bound variant. For layers that must refuse before they change state (sandbox/decode.py writes
+    new keys into the caller's cache)."""
+    bound = _resolve(variant, params, q)
+    bound.check(make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, block_mask, score_mod,
+                             mask_mod), "forward")
+    return bound
+
+
 def attention(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
               window=None, block_mask=None, score_mod=None, mask_mod=None, **params):
     """softmax(mask(score_mod(scale * q k^T))) (with dropout) @ v; returns out only."""

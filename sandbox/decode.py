@@ -72,7 +72,8 @@ def merge(outs, lses):
         of = o.float() if xp.__name__ == "torch" else o.astype(np.float32)
         part = of * (w / safe)[..., None]
         out = part if out is None else out + part
-    lse = xp.where(total > 0, m0 + xp.log(safe), xp.full_like(m0, -np.inf))
+    dead = xp.where(xp.isnan(total), xp.full_like(m0, np.nan), xp.full_like(m0, -np.inf))   # NaN stays NaN
+    lse = xp.where(total > 0, m0 + xp.log(safe), dead)
     return out, lse
 
 
@@ -107,6 +108,13 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
             scale=None, num_splits=1, variant=None, **params):
     """(out (B, Hq, Nq, d), lse (B, Hq, Nq) float32); see the module docstring."""
     B, Hq, Nq, d = q.shape
+    for name in ("score_mod", "mask_mod"):
+        if params.get(name) is not None:
+            raise ValueError(f"{name} is not supported by sandbox.decode yet: each split is its own problem, so a "
+                             "modifier would see chunk-local key positions (and sinks once per split)")
+    if params.get("dropout_p"):
+        raise ValueError("dropout_p > 0 is not supported by sandbox.decode: every sequence and split runs as batch 0 "
+                         "of its own problem, which is not the RNG contract")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together (both or neither)")
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 1:
@@ -120,14 +128,27 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
     if tuple(k_cache.shape) != tuple(v_cache.shape) or k_cache.shape[-1] != d:
         raise ValueError(f"k_cache and v_cache must share one shape with q's d; got {tuple(k_cache.shape)}, "
                          f"{tuple(v_cache.shape)}")
+    Hkv = k_cache.shape[1]
+    if k_new is not None:
+        for x, nm in ((k_new, "k_new"), (v_new, "v_new")):
+            if len(x.shape) != 4 or tuple(x.shape) != (B, Hkv, nnew, d) or x.dtype != k_cache.dtype:
+                raise ValueError(f"{nm} must be ({B}, {Hkv}, Nnew, {d}) of the cache's dtype {k_cache.dtype}; got "
+                                 f"{tuple(x.shape)} {x.dtype}")
     if not paged and k_cache.shape[0] != B:
         raise ValueError(f"a contiguous cache holds one sequence per batch row: k_cache.shape[0] must be {B}")
     if np.any(lens + nnew > capacity):
         raise ValueError(f"cache_seqlens + new keys exceed the cache's room of {capacity} keys per sequence")
-    if paged and (np.any(table < 0) or np.any(table >= k_cache.shape[0])):
-        raise ValueError(f"block_table holds page indices outside 0..{k_cache.shape[0] - 1}")
+    if paged:
+        used = -(-(lens + nnew) // page_size)             # the pages each sequence reads; padding may be anything
+        for b in range(B):
+            if np.any(table[b, :used[b]] < 0) or np.any(table[b, :used[b]] >= k_cache.shape[0]):
+                raise ValueError(f"block_table row {b} holds page indices outside 0..{k_cache.shape[0] - 1} among "
+                                 f"its first {used[b]} (the pages its keys use)")
     if scale is None:
         scale = 1.0 / float(np.sqrt(d))
+    # every rejection (variant, dtype, head dim, options) before the cache is written
+    probe_k = k_cache[:1, :, :1]                         # (1, Hkv, 1, d): dtype, heads and d as every call's
+    api.forward_checks(q[:1], probe_k, probe_k, variant=variant, scale=scale, **params)
     outs, lses = [], []
     for b in range(B):
         pages = table[b] if paged else None

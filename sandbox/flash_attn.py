@@ -16,6 +16,7 @@ function, device-resident cu_seqlens and dropout (sandbox/varlen.py says why).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import decode
@@ -92,28 +93,43 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                scale=softmax_scale, window=_window(window_size), **params)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                            num_splits=1, return_softmax_lse=False, *, variant=None, **params):
-    """Decoding against a KV cache (sandbox/decode.py: split-KV over any variant, pages gathered per
-    chunk): q (B, Nq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d) or paged (pages, page_size, Hkv, d) with
-    block_table (B, pages per sequence); k, v (B, Nnew, Hkv, d) appended in place at cache_seqlens (host
-    ints; None: the whole cache). Returns out (B, Nq, Hq, d) [, lse (B, Hq, Nq)]. No autograd (inference)."""
-    if softcap or alibi_slopes is not None:
-        _refuse(softcap, alibi_slopes, False)
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, variant=None, **params):
+    """Decoding against a KV cache in flash-attn 2's argument order (sandbox/decode.py: split-KV over
+    any variant, pages gathered per chunk): q (B, Nq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d) or
+    paged (pages, page_size, Hkv, d) with block_table (B, pages per sequence); k, v (B, Nnew, Hkv, d)
+    appended in place at cache_seqlens (an int or B host ints; None: the whole cache). num_splits=0
+    picks one split per 8192 keys of the longest sequence (at most 8). Rotary embeddings, cache_batch_idx
+    and cache_leftpad are refused by name. Returns out (B, Nq, Hq, d) [, lse (B, Hq, Nq)]; no autograd."""
+    _refuse(softcap, alibi_slopes, False)
+    for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise ValueError(f"{name} is not supported by the sandbox's KV-cache path (pass None)")
     if _window(window_size) is not None:
         raise ValueError("window_size is not supported by the KV-cache path yet (pass (-1, -1))")
     B = q.shape[0]
+    nnew = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
         if block_table is not None:
             raise ValueError("a paged cache needs cache_seqlens")
-        cache_seqlens = [k_cache.shape[1] - (0 if k is None else k.shape[1])] * B
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = [cache_seqlens] * B
+        cache_seqlens = k_cache.shape[1] - nnew
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0:
+        cache_seqlens = int(cache_seqlens)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = [int(cache_seqlens)] * B
+    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
+    if num_splits == 0:
+        longest = int(np.max(np.asarray(cache_seqlens.numpy() if isinstance(cache_seqlens, torch.Tensor)
+                                        else cache_seqlens))) + nnew
+        num_splits = max(1, min(8, longest // 8192))
     t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731  (B, N, H, d) <-> (B, H, N, d)
     with torch.no_grad():
         out, lse = decode.forward(t(q), t(k_cache), t(v_cache), cache_seqlens, block_table=block_table, k_new=t(k),
-                                  v_new=t(v), causal=causal, scale=softmax_scale, num_splits=num_splits,
+                                  v_new=t(v), causal=causal, scale=softmax_scale, num_splits=int(num_splits),
                                   variant=variant, **params)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

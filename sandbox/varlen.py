@@ -50,7 +50,7 @@ def _lengths(cu, name: str, total: int) -> np.ndarray:
     return c
 
 
-def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p):
+def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, score_mod=None, mask_mod=None):
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
         if len(x.shape) != 3:
             raise ValueError(f"{nm} must be packed (total, heads, d); got shape {tuple(x.shape)}")
@@ -60,6 +60,10 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p):
     if dropout_p:
         raise ValueError("dropout_p > 0 is not supported for packed batches yet: the RNG contract keys each element by "
                          "its sequence index, which a per-sequence launch does not carry (sandbox/varlen.py)")
+    for name, value in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if value is not None:
+            raise ValueError(f"{name} is not supported for packed batches yet: a modifier would see positions "
+                             "within each sequence, and a sequence without keys would miss its sinks")
     lq, lk = _lengths(cu_q, "cu_seqlens_q", q.shape[0]), _lengths(cu_k, "cu_seqlens_k", k.shape[0])
     if lq.size != lk.size:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {lq.size - 1} and "
@@ -104,7 +108,8 @@ def _fill(x, value) -> None:
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, variant=None,
             causal=False, scale=None, dropout_p=0.0, window=None, **params):
     """(out (total_q, Hq, d) like q, lse (Hq, total_q) float32), every sequence through `variant`."""
-    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    params.get("score_mod"), params.get("mask_mod"))
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
     out = _empty(q, tuple(q.shape))
@@ -130,7 +135,8 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
              variant=None, causal=False, scale=None, dropout_p=0.0, window=None, **params):
     """(dq, dk, dv) like q, k, v: the explicit-form backward of each sequence with its out and lse."""
-    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p)
+    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    params.get("score_mod"), params.get("mask_mod"))
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
                          f"{tuple(out.shape)}")

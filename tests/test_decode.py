@@ -83,3 +83,30 @@ def test_checks(kwargs, err, match):
         args["v_new"] = None
     with pytest.raises(err, match=match):
         decode.forward(q, kc, vc, variant=VARIANT, **args)
+
+
+def test_refusals_leave_the_cache_untouched():
+    """A request refused for any reason (a variant that lacks the dtype, dropout, a modifier, new keys of
+    the wrong shape) raises before the new keys are written."""
+    from sandbox import modifiers
+    q, k_new, v_new, kc, vc, _, _, _ = _case(1, [0, 5, 13], 2, paged=False)
+    before = kc.copy()
+    bad = [({"variant": "fa2-tc"}, "float16"), ({"variant": VARIANT, "dropout_p": 0.1}, "dropout_p"),
+           ({"variant": VARIANT, "score_mod": modifiers.softcap(5.0)}, "score_mod"),
+           ({"variant": VARIANT, "k_new": k_new[:, :1], "v_new": v_new[:, :1]}, "k_new")]
+    for kwargs, match in bad:
+        args = {"k_new": k_new, "v_new": v_new, **kwargs}
+        with pytest.raises((ValueError, TypeError), match=match):
+            decode.forward(q, kc, vc, [0, 5, 13], **args)
+        np.testing.assert_array_equal(kc, before)
+
+
+def test_nan_propagates_and_padding_pages_are_ignored():
+    q, k_new, v_new, kc, vc, pages, _, _ = _case(1, [0, 5, 13], 2, paged=True)
+    pages = pages.copy()
+    pages[0, 1:] = -1                                   # sequence 0 uses one page (2 keys); the rest is padding
+    q[1, 0, 0, 0] = np.nan
+    out, lse = decode.forward(q, kc, vc, [0, 5, 13], block_table=pages, k_new=k_new, v_new=v_new, num_splits=2,
+                              variant=VARIANT)
+    assert np.isnan(out[1, 0, 0]).all() and np.isnan(lse[1, 0, 0])
+    assert np.isfinite(lse[0]).all() and np.isfinite(lse[2]).all()

@@ -110,3 +110,25 @@ def test_with_kvcache_appends_and_attends(paged):
         torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
     if not paged:
         torch.testing.assert_close(k_cache[1, 9:11], seqs_k[1][-2:])
+
+
+def test_with_kvcache_follows_flash_attns_argument_order():
+    """cache_seqlens is the 8th positional argument (after rotary_cos, rotary_sin), may be an int or a
+    NumPy integer, and num_splits=0 means automatic; rotary embeddings are refused by name."""
+    import numpy as np
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 1, 4, 8, generator=g)
+    k_cache, v_cache = torch.randn(2, 6, 2, 8, generator=g), torch.randn(2, 6, 2, 8, generator=g)
+    a = fa.flash_attn_with_kvcache(q, k_cache, v_cache, None, None, None, None, np.int64(4), variant=VARIANT)
+    ref = _sdpa(q, k_cache[:, :4], v_cache[:, :4])
+    torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rotary_cos"):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, rotary_cos=torch.ones(6, 4), cache_seqlens=4, variant=VARIANT)
+
+
+def test_varlen_refuses_modifiers():
+    from sandbox import modifiers
+    q, k, v = _inputs(b=1, nq=8, nk=8, hq=2, hkv=2)
+    cu = [0, 3, 8]
+    with pytest.raises(ValueError, match="score_mod"):
+        fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, variant=VARIANT, score_mod=modifiers.softcap(5.0))

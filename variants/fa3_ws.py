@@ -121,7 +121,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         maps, held = [], []
         for x, rows in ((q, 64), (k, config.block_c), (v, config.block_c)):
             if tma.usable_strides(x.shape, arrays.element_strides(x)) is None or x.data.ptr % 16:
-                x = xp.ascontiguousarray(x)          # strides TMA cannot describe: a contiguous copy
+                x = xp.array(x, copy=True, order="C")    # strides or a base TMA cannot describe: a fresh copy
             maps.append(tma.map_of(x, rows))
             held.append(x)                           # alive until the launch is queued
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
