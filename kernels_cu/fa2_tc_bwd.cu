@@ -51,18 +51,6 @@
 
 // ---- device helpers
 
-// row[0..3] += v atomically (16-byte aligned: d % 8 == 0 and c % 4 == 0); one vector atomic on sm_90.
-__device__ __forceinline__ void add_quad(float* row, float4 v) {
-#if __CUDA_ARCH__ >= 900
-    atomicAdd(reinterpret_cast<float4*>(row), v);
-#else
-    atomicAdd(row, v.x);
-    atomicAdd(row + 1, v.y);
-    atomicAdd(row + 2, v.z);
-    atomicAdd(row + 3, v.w);
-#endif
-}
-
 // Swizzled 16-byte chunk of (row, chunk) in the [BC][BR] dS^T tile: rows of 8 or 16 chunks (BR = 64,
 // 128) as swizzle<>: chunk ^ (row % 8); rows of 4 chunks (BR = 32, two rows per 128-byte line): chunk ^
 // ((row / 2) % 4). Either way the 8 rows an ldmatrix phase reads hit 8 different 16-byte bank groups.
@@ -239,16 +227,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
                 }
             }
-            // Lanes tq and tq ^ 1 swap halves so each adds four consecutive columns of one row with one
-            // atomic: the even lane row g, the odd lane row g + 8 (columns 8 n + 4 (tq / 2) ..).
-#pragma unroll
-            for (int n = 0; n < DQC / 8; ++n) {
-                const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
-                const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
-                const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
-                                     : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
-                if (i < Nq && (wdq + n) * 8 + 4 * (tq / 2) < d) add_quad(row + (wdq + n) * 8, v);
-            }
+            add_dq_tiles(dq[0], row, wdq, i < Nq, d, tq, scale);    // float4 atomics (tc_softmax.cuh)
         }
     }
     cp_async_wait<0>();

@@ -23,11 +23,6 @@
 
 #define LOG2E_F 1.4426950408889634f
 
-// ---- device helpers
-
-// row[0..3] += v atomically (one vector atomic on sm_90; rows 16-byte aligned: d % 8 == 0, c % 4 == 0).
-__device__ __forceinline__ void add_quad4(float* row, float4 v) { atomicAdd(reinterpret_cast<float4*>(row), v); }
-
 // ---- kernels
 
 template <typename T, int D, int R, bool DROPOUT>
@@ -176,19 +171,11 @@ fa3_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,
         fence_accumulators(dq[0]);
         fence_accumulators(dk[0]);
         fence_accumulators(dv[0]);
-        // rows (queries) of this warp: 16 (warp % 4) + g (+ 8); lanes tq and tq ^ 1 swap halves so each
-        // adds four consecutive columns of one row with one atomic (fa2_tc_bwd.cu)
+        // rows (queries) of this warp: 16 (warp % 4) + g (+ 8), added by float4 atomics (tc_softmax.cuh)
         const bool odd = tq & 1;
         const int i = row0 + (warp % 4) * 16 + g + (odd ? 8 : 0);
         float* row = dQ + ((long long)bh * Nq + min(i, Nq - 1)) * d + 4 * (tq / 2);
-#pragma unroll
-        for (int n = 0; n < ND; ++n) {
-            const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][0] : dq[0][n][2], 1);
-            const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[0][n][1] : dq[0][n][3], 1);
-            const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[0][n][2] * scale, dq[0][n][3] * scale)
-                                 : make_float4(dq[0][n][0] * scale, dq[0][n][1] * scale, r0 * scale, r1 * scale);
-            if (i < Nq && n * 8 + 4 * (tq / 2) < d) add_quad4(row + n * 8, v);
-        }
+        add_dq_tiles(dq[0], row, 0, i < Nq, d, tq, scale);
     }
     cp_async_wait<0>();
 

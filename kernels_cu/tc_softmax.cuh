@@ -238,3 +238,34 @@ __device__ __forceinline__ void p_fragments(unsigned (&pa)[MT][4], const float (
         pa[mt][3] = Elem<T>::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
     }
 }
+
+// ---- dQ accumulation of the column-parallel backwards (fa2_tc_bwd.cu, fa3_bwd.cu)
+
+// row[0..3] += v atomically (16-byte aligned: d % 8 == 0 and c % 4 == 0); one vector atomic on sm_90.
+__device__ __forceinline__ void add_quad(float* row, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float4*>(row), v);
+#else
+    atomicAdd(row, v.x);
+    atomicAdd(row + 1, v.y);
+    atomicAdd(row + 2, v.z);
+    atomicAdd(row + 3, v.w);
+#endif
+}
+
+// scale * dq (C fragments of n8 column tiles tile0, tile0 + 1, ...) added to dQ: lanes tq and tq ^ 1 swap
+// halves so each adds four consecutive columns of one row with one atomic, the even lane row g, the odd
+// lane row g + 8. `row`: that row of dQ plus 4 (tq / 2) columns; `row_in`: the row is < Nq.
+template <int NT>
+__device__ __forceinline__ void add_dq_tiles(const float (&dq)[NT][4], float* row, int tile0, bool row_in, int d,
+                                             int tq, float scale) {
+    const bool odd = tq & 1;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+        const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+        const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
+                             : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+        if (row_in && (tile0 + n) * 8 + 4 * (tq / 2) < d) add_quad(row + (tile0 + n) * 8, v);
+    }
+}
