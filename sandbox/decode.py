@@ -1,7 +1,8 @@
 """Decoding against a KV cache, contiguous or paged, with the key range split and merged by
-log-sum-exp (split-KV, FlashDecoding), over any registered variant.
+log-sum-exp (split-KV, Flash-Decoding): one kernel for the whole batch on the GPU, or any
+registered variant per sequence and split (the reference rung).
 
-    out, lse = sandbox.decode.forward(q, k_cache, v_cache, cache_seqlens, k_new=k1, v_new=v1, num_splits=4)
+    out, lse = sandbox.decode.forward(q, k_cache, v_cache, cache_seqlens, k_new=k1, v_new=v1)
 
 Layout (the sandbox's (B, H, N, d) convention):
   q          (B, Hq, Nq, d): the new query rows of each sequence (decoding: 1-16)
@@ -11,23 +12,39 @@ Layout (the sandbox's (B, H, N, d) convention):
   k_new, v_new   (B, Hkv, Nnew, d) or None: appended in place at positions cache_seqlens[b]..
                  (the cache must have room), then attended to like the rest
 Sequence b attends to its L_b = cache_seqlens[b] + Nnew keys; with causal=True its Nq queries are
-the last Nq positions (query i sees keys j <= L_b - Nq + i, flash-attn's bottom-right alignment).
+the last Nq positions (query i sees keys j <= L_b - Nq + i, flash-attn's bottom-right alignment);
+window=(left, right) (ints or None) keeps keys with -left <= j - (L_b - Nq + i) <= right.
 Returns out (B, Hq, Nq, d) like q and lse (B, Hq, Nq) float32.
 
-How: per sequence, the key range [0, L_b) is cut into `num_splits` contiguous chunks; each chunk is
-one call of the variant on a view of the cache (a contiguous cache) or on the chunk's pages
-gathered into one buffer (a paged cache: a copy per chunk), causal expressed per chunk as a window;
-the partial (out, lse) pairs are merged in float32 by log-sum-exp:
-    lse = log sum_c exp(lse_c),  out = sum_c exp(lse_c - lse) out_c.
-A chunk that a query row cannot see returns lse = -inf for it and weighs nothing. This is the
-reference rung: correct for every variant, slow (launches and copies per sequence and chunk). The
-fast rung, one kernel that reads pages in place with the splits in its grid, is still to build.
+Two paths, the same semantics (tests/test_decode.py, tests/test_decode_gpu.py):
+
+- The kernel (kernels_cu/decode_splitkv.cu, `splitkv`): CuPy or torch CUDA inputs of float16 /
+  bfloat16 with d in KERNEL_HEAD_DIMS, Nq <= KERNEL_MAX_NQ, `variant=None` and no variant
+  parameters. Grid (split, K/V head x row tile, batch): the G query heads of a K/V head times the Nq
+  rows are the rows of one tile, so K and V are read once per K/V head (per tile of up to 16 rows);
+  pages are read in place through the block table; cache lengths and the table go to the device by
+  an asynchronous copy from pinned memory on the caller's stream (no synchronisation); a second
+  small kernel merges the splits. Page sizes: powers of two (ValueError naming page_size
+  otherwise); K/V rows 16-byte aligned (ValueError naming the cache otherwise). The number of
+  splits follows from the SM count and the longest sequence (`plan_splits`); `num_splits` caps it.
+- The reference rung (any other request, or `variant=` given): per sequence, the key range [0, L_b)
+  is cut into `num_splits` contiguous chunks; each chunk is one call of the variant on a view of
+  the cache (a contiguous cache) or on the chunk's pages gathered into one buffer (a paged cache: a
+  copy per chunk), causal and window expressed per chunk as a window; the partial (out, lse) pairs
+  are merged in float32 by log-sum-exp:
+      lse = log sum_c exp(lse_c),  out = sum_c exp(lse_c - lse) out_c.
+  A chunk that a query row cannot see returns lse = -inf for it and weighs nothing. Correct for
+  every variant, slow (launches and copies per sequence and chunk).
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
-from . import api, arrays
+from . import api, arrays, device, loader
+from .masks import UNBOUNDED, Band
+from .problem import make_problem
 
 
 def _xp(x):
@@ -104,9 +121,179 @@ def _keys(cache, b, c0, c1, pages, page_size):
     return xp.cat(parts, dim=2) if xp.__name__ == "torch" else xp.concatenate(parts, axis=2)
 
 
+
+
+# ---- the split-KV kernel (kernels_cu/decode_splitkv.cu)
+
+KERNEL_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+KERNEL_HEAD_DIMS = (64, 128, 256)
+KERNEL_MAX_NQ = 16
+ROW_TILES = (4, 8, 16)            # ROWS of decode_splitkv: query rows (G * Nq, GQA packed) per block
+WARPS = 4                         # DEC_WARPS: 128 threads per block
+LOG2E = 1.4426950408889634
+MIN_KEYS_PER_SPLIT = 256          # below this a split's fixed cost (q load, block merge, partial write) dominates
+MAX_SPLITS = 256
+BLOCKS_PER_SM_TARGET = 4          # resident blocks per SM the split count aims at (3 fit at ROWS = 4, 168 registers)
+DEFAULT_SM_COUNT = 132            # an H100 SXM's, for planning without a GPU
+
+
+def keys_per_iter(d: int, rows: int) -> int:
+    """Keys one block consumes per loop iteration (DecodeShape::KEYS_PER_ITER): 4 warps x
+    32 / (d / 8) keys per step x UNROLL steps."""
+    unroll = 4 if rows <= 4 else (1 if rows == 16 and d == 256 else 2)
+    return WARPS * (32 // (d // 8)) * unroll
+
+
+def row_tile(rows: int) -> int:
+    """ROWS for G * Nq query rows: the smallest tile holding them, else 16 (several tiles)."""
+    return next((t for t in ROW_TILES if rows <= t), ROW_TILES[-1])
+
+
+def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int | None = None,
+                num_splits: int | None = None) -> tuple[int, int]:
+    """(splits S, keys per split `chunk`) for the kernel's grid (S, Hkv * row tiles, B).
+
+    Decoding is memory-bound: the grid must fill the GPU with enough blocks for the bytes in flight
+    even when B * Hkv is small (B = 1: 8 blocks for 132 SMs without splits). S is the smallest count
+    that gives BLOCKS_PER_SM_TARGET blocks per SM, but no split shorter than MIN_KEYS_PER_SPLIT keys
+    and at most MAX_SPLITS (`num_splits`, if given, caps S instead); the chunk is rounded up to a
+    whole number of the block's loop iterations and S recomputed from it, so no split is empty
+    for the longest sequence (shorter ones leave their last splits empty: lse = -inf, weight 0)."""
+    tile = row_tile(rows)
+    per_iter = keys_per_iter(d, tile)
+    if max_len <= 0:
+        return 1, per_iter
+    base = B * Hkv * -(-rows // tile)
+    if num_splits is None:
+        sms = sm_count or DEFAULT_SM_COUNT
+        s = -(-BLOCKS_PER_SM_TARGET * sms // base)
+        s = min(s, -(-max_len // MIN_KEYS_PER_SPLIT), MAX_SPLITS)
+    else:
+        s = min(int(num_splits), MAX_SPLITS)
+    s = max(1, s)
+    chunk = -(-max_len // s)
+    chunk = -(-chunk // per_iter) * per_iter
+    return -(-max_len // chunk), chunk
+
+
+def kernel_names(dtype: str, d: int) -> tuple:
+    t = KERNEL_CTYPE[dtype]
+    return tuple(f"decode_splitkv<{t}, {d}, {r}>" for r in ROW_TILES) + (f"decode_merge<{t}, {d}>",)
+
+
+def compile_units() -> list:
+    """Every kernel instantiation, one unit per dtype (the compile report builds each name alone)."""
+    from .launch import cuda_options
+    return [loader.CompileUnit("decode_splitkv.cu", tuple(n for d in KERNEL_HEAD_DIMS for n in kernel_names(dt, d)),
+                               cuda_options(), label=f"decode-splitkv[{dt}]") for dt in KERNEL_CTYPE]
+
+
+def kernel_refusal(dtype: str, d: int, Nq: int) -> str | None:
+    """Why the kernel cannot run a problem (dtype, head dim, query rows), or None."""
+    if dtype not in KERNEL_CTYPE:
+        return f"dtype {dtype} (the kernel takes {', '.join(KERNEL_CTYPE)})"
+    if d not in KERNEL_HEAD_DIMS:
+        return f"head dim {d} (the kernel takes {', '.join(map(str, KERNEL_HEAD_DIMS))})"
+    if Nq > KERNEL_MAX_NQ:
+        return f"Nq={Nq} query rows (the kernel takes at most {KERNEL_MAX_NQ})"
+    return None
+
+
+def relative_band(causal: bool, window) -> tuple[int, int]:
+    """(lo, hi): key j is visible to query i of a sequence of L keys and Nq queries iff
+    lo <= j - i - (L - Nq) <= hi (the band of a 1 x 1 problem: shift 0), clamped like every band."""
+    band = Band.from_options(1, 1, causal, window)
+    return band.lo, band.hi
+
+
+def check_kv_alignment(x, name: str) -> None:
+    """The kernel loads 16-byte vectors of K and V rows: base and every stride (in elements) of the
+    axes with more than one entry must be multiples of 8 elements, d unit-strided."""
+    arrays.check_unit_stride_d(x, name)
+    strides = arrays.element_strides(x)
+    bad = [s for s, n in zip(strides[:-1], x.shape[:-1]) if n > 1 and s % 8]
+    if x.data.ptr % 16 or bad:
+        raise ValueError(f"{name}: the decode kernel needs 16-byte aligned rows (base address and strides in "
+                         f"multiples of 8 elements); got address {x.data.ptr:#x}, element strides {strides}")
+
+
+_PINNED_IN_FLIGHT: collections.deque = collections.deque()
+
+
+def _upload_ints(host: np.ndarray, xp):
+    """int32 copy of host on the device, by an asynchronous copy from pinned memory on the current
+    stream: no synchronisation, unlike a copy from pageable memory. The pinned buffer is held until
+    an event after the copy has completed (checked, never waited for)."""
+    import cupyx
+    while _PINNED_IN_FLIGHT and _PINNED_IN_FLIGHT[0][0].done:
+        _PINNED_IN_FLIGHT.popleft()
+    src = np.ascontiguousarray(host, dtype=np.int32)
+    pinned = cupyx.empty_pinned(src.shape, np.int32)
+    pinned[...] = src
+    dev = xp.empty(src.shape, dtype=xp.int32)
+    stream = xp.cuda.get_current_stream()
+    dev.set(pinned, stream=stream)
+    event = xp.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    _PINNED_IN_FLIGHT.append((event, pinned))
+    return dev
+
+
+def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None):
+    """The kernel on CuPy arrays, on CuPy's current stream: q (B, Hq, Nq, d); k, v the cache
+    (contiguous (B, Hkv, Nmax, d) or pages (P, Hkv, page_size, d) with block_table, a device int32
+    (B, pages per sequence)); lens a device int32 (B,) of keys per sequence, max_len their maximum
+    (host); band as relative_band gives it. Returns (out like q's dtype, lse float32), both fresh
+    contiguous CuPy arrays. The caller has validated lengths and page indices."""
+    import cupy as xp
+    from .launch import f32, i32, i64, strides4
+    B, Hq, Nq, d = q.shape
+    Hkv = k.shape[1]
+    dtype = str(q.dtype)
+    rows = (Hq // Hkv) * Nq
+    tile = row_tile(rows)
+    S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits)
+    unit = compile_units()[list(KERNEL_CTYPE).index(dtype)]
+    paged = block_table is not None
+    if paged:
+        page_size = k.shape[2]
+        table, table_stride, num_pages, shift = block_table, block_table.shape[1], k.shape[0], page_size.bit_length() - 1
+    else:
+        table, table_stride, num_pages, shift = lens, 0, 1, 0                # never read
+    o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
+    lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
+    grid = (S, Hkv * -(-rows // tile), B)
+    loader.launch(unit, f"decode_splitkv<{KERNEL_CTYPE[dtype]}, {d}, {tile}>", grid, (WARPS * 32,),
+                  (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], lens, i32(paged), table,
+                   i64(table_stride), i32(num_pages), i32(shift), o_part, lse_part, i32(Hq), i32(Hkv), i32(Nq),
+                   i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1])))
+    out = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
+    lse = xp.empty((B, Hq, Nq), dtype=xp.float32)
+    loader.launch(unit, f"decode_merge<{KERNEL_CTYPE[dtype]}, {d}>", (B * Hq * Nq,), (WARPS * 32,),
+                  (o_part, lse_part, out, lse, i32(S)))
+    return out, lse
+
+
+def _kernel_path(q, k_cache, variant, params) -> bool:
+    """Whether a call takes the kernel: device arrays (CuPy, torch CUDA) of a dtype, head dim and
+    query count it runs, no variant named, no variant parameters (the refused options aside)."""
+    if variant is not None or any(k not in ("dropout_p", "score_mod", "mask_mod", "seed", "offset") for k in params):
+        return False
+    kind = arrays.kind_of(q)
+    if kind == "torch":
+        if not (q.is_cuda and k_cache.is_cuda):
+            return False
+    elif kind != "cupy" or arrays.kind_of(k_cache) != "cupy":
+        return False
+    from .precision import dtype_name
+    return kernel_refusal(dtype_name(q), q.shape[-1], q.shape[2]) is None
+
+
 def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None, causal=False,
-            scale=None, num_splits=1, variant=None, **params):
-    """(out (B, Hq, Nq, d), lse (B, Hq, Nq) float32); see the module docstring."""
+            scale=None, num_splits=None, variant=None, window=None, **params):
+    """(out (B, Hq, Nq, d), lse (B, Hq, Nq) float32); see the module docstring. num_splits: None
+    (automatic: the kernel plans it from the SM count, the reference rung takes one split per 8192
+    keys of the longest sequence, at most 8) or an int >= 1 (the kernel: at most that many)."""
     B, Hq, Nq, d = q.shape
     for name in ("score_mod", "mask_mod"):
         if params.get(name) is not None:
@@ -117,8 +304,9 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
                          "of its own problem, which is not the RNG contract")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together (both or neither)")
-    if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None (automatic) or an int >= 1, got {num_splits!r}")
     lens = _host_ints(cache_seqlens, "cache_seqlens", B)
     nnew = 0 if k_new is None else k_new.shape[2]
     paged = block_table is not None
@@ -138,6 +326,8 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
         raise ValueError(f"a contiguous cache holds one sequence per batch row: k_cache.shape[0] must be {B}")
     if np.any(lens + nnew > capacity):
         raise ValueError(f"cache_seqlens + new keys exceed the cache's room of {capacity} keys per sequence")
+    if np.any(lens + nnew >= 2**29):
+        raise ValueError("cache_seqlens + new keys must stay below 2**29 keys per sequence")
     if paged:
         used = -(-(lens + nnew) // page_size)             # the pages each sequence reads; padding may be anything
         for b in range(B):
@@ -146,9 +336,15 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
                                  f"its first {used[b]} (the pages its keys use)")
     if scale is None:
         scale = 1.0 / float(np.sqrt(d))
-    # every rejection (variant, dtype, head dim, options) before the cache is written
     probe_k = k_cache[:1, :, :1]                         # (1, Hkv, 1, d): dtype, heads and d as every call's
-    api.forward_checks(q[:1], probe_k, probe_k, variant=variant, scale=scale, **params)
+    if _kernel_path(q, k_cache, variant, params):
+        return _forward_kernel(q, k_cache, v_cache, lens, nnew, table, k_new, v_new, causal, scale, window,
+                               num_splits, probe_k)
+    # every rejection (variant, dtype, head dim, options) before the cache is written
+    api.forward_checks(q[:1], probe_k, probe_k, variant=variant, scale=scale, causal=causal, window=window, **params)
+    lo, hi = relative_band(causal, window)
+    if num_splits is None:                               # one split per 8192 keys of the longest sequence, <= 8
+        num_splits = max(1, min(8, int((lens + nnew).max()) // 8192))
     outs, lses = [], []
     for b in range(B):
         pages = table[b] if paged else None
@@ -161,11 +357,9 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
         for c0, c1 in zip(bounds[:-1], bounds[1:]):
             if c1 <= c0:
                 continue
-            # causal within the sequence as a window on the chunk: query i sees j' - i <= shift + (L - c1)
-            window = (None, L - int(c1)) if causal else None
             res = api.forward(q[b:b + 1], _keys(k_cache, b, c0, c1, pages, page_size),
                               _keys(v_cache, b, c0, c1, pages, page_size), variant=variant, scale=scale,
-                              window=window, **params)
+                              window=_chunk_window(lo, hi, L - int(c1)), **params)
             part_out.append(res.out)
             part_lse.append(res.lse)
         if not part_out:                                 # no keys at all: dead rows
@@ -179,6 +373,46 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
     cat = (lambda xs: xp.cat(xs, dim=0)) if xp.__name__ == "torch" else (lambda xs: xp.concatenate(xs, axis=0))
     out, lse = cat(outs), cat(lses)
     return (out.to(q.dtype) if xp.__name__ == "torch" else out.astype(q.dtype)), lse
+
+
+def _chunk_window(lo: int, hi: int, delta: int):
+    """The sequence's band (relative_band) as the window of a chunk whose last key is `delta` keys
+    before the sequence's end: with the chunk's own bottom-right alignment the band moves by delta."""
+    left = None if lo <= -UNBOUNDED else -(lo + delta)
+    right = None if hi >= UNBOUNDED else hi + delta
+    return None if left is None and right is None else (left, right)
+
+
+def _forward_kernel(q, k_cache, v_cache, lens, nnew, table, k_new, v_new, causal, scale, window, num_splits,
+                    probe_k):
+    """The kernel path of `forward`: checks (options, page size, alignment) before the append, then
+    the append, the uploads and the two launches on the caller's stream."""
+    make_problem(q[:1], probe_k, probe_k, causal, scale, 0.0, 0, 0, window)      # options' types and ranges
+    paged = table is not None
+    if paged:
+        page_size = k_cache.shape[2]
+        if page_size & (page_size - 1) or page_size > 2**20:
+            raise ValueError(f"page_size={page_size} (k_cache.shape[1] in flash-attn's layout): the decode kernel "
+                             "takes power-of-two page sizes up to 2**20 (16-256 are the usual ones); pass variant= "
+                             "for the reference rung, which takes any")
+    kind = arrays.kind_of(q)
+    band = relative_band(causal, window)
+    with arrays.caller_stream(q):
+        import cupy as cp
+        qb = arrays.to_device(q, "q")
+        kb, vb = arrays.to_device(k_cache, "k_cache"), arrays.to_device(v_cache, "v_cache")
+        check_kv_alignment(kb, "k_cache")
+        check_kv_alignment(vb, "v_cache")
+        if nnew:
+            for b in range(q.shape[0]):
+                pages = table[b] if paged else None
+                _append(k_cache, k_new, b, int(lens[b]), pages, k_cache.shape[2] if paged else None)
+                _append(v_cache, v_new, b, int(lens[b]), pages, k_cache.shape[2] if paged else None)
+        total = lens + nnew
+        lens_dev = _upload_ints(total, cp)
+        table_dev = _upload_ints(np.clip(table, -1, 2**31 - 1), cp) if paged else None   # padding entries unread
+        out, lse = splitkv(qb, kb, vb, lens_dev, int(total.max()), scale, band, table_dev, num_splits)
+        return arrays.like(out, kind), arrays.like(lse, kind)
 
 
 def _host_ints_2d(table, B: int) -> np.ndarray:

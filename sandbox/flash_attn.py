@@ -97,19 +97,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, variant=None, **params):
-    """Decoding against a KV cache in flash-attn 2's argument order (sandbox/decode.py: split-KV over
-    any variant, pages gathered per chunk): q (B, Nq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d) or
-    paged (pages, page_size, Hkv, d) with block_table (B, pages per sequence); k, v (B, Nnew, Hkv, d)
-    appended in place at cache_seqlens (an int or B host ints; None: the whole cache). num_splits=0
-    picks one split per 8192 keys of the longest sequence (at most 8). Rotary embeddings, cache_batch_idx
-    and cache_leftpad are refused by name. Returns out (B, Nq, Hq, d) [, lse (B, Hq, Nq)]; no autograd."""
+    """Decoding against a KV cache in flash-attn 2's argument order (sandbox/decode.py: the split-KV
+    kernel for CUDA fp16 / bf16 tensors with variant=None, else split-KV over any variant):
+    q (B, Nq, Hq, d); k_cache, v_cache (B, Nmax, Hkv, d) or paged (pages, page_size, Hkv, d) with
+    block_table (B, pages per sequence); k, v (B, Nnew, Hkv, d) appended in place at cache_seqlens
+    (an int or B host ints; None: the whole cache). window_size as flash-attn's (bottom-right
+    aligned). num_splits=0 is automatic (decode.forward's num_splits=None). Rotary embeddings,
+    cache_batch_idx and cache_leftpad are refused by name. Returns out (B, Nq, Hq, d) [, lse
+    (B, Hq, Nq)]; no autograd."""
     _refuse(softcap, alibi_slopes, False)
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise ValueError(f"{name} is not supported by the sandbox's KV-cache path (pass None)")
-    if _window(window_size) is not None:
-        raise ValueError("window_size is not supported by the KV-cache path yet (pass (-1, -1))")
     B = q.shape[0]
     nnew = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
@@ -122,14 +122,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_seqlens = [int(cache_seqlens)] * B
     if not isinstance(num_splits, (int, np.integer)) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
-    if num_splits == 0:
-        longest = int(np.max(np.asarray(cache_seqlens.numpy() if isinstance(cache_seqlens, torch.Tensor)
-                                        else cache_seqlens))) + nnew
-        num_splits = max(1, min(8, longest // 8192))
     t = lambda x: None if x is None else x.transpose(1, 2)  # noqa: E731  (B, N, H, d) <-> (B, H, N, d)
     with torch.no_grad():
         out, lse = decode.forward(t(q), t(k_cache), t(v_cache), cache_seqlens, block_table=block_table, k_new=t(k),
-                                  v_new=t(v), causal=causal, scale=softmax_scale, num_splits=int(num_splits),
-                                  variant=variant, **params)
+                                  v_new=t(v), causal=causal, scale=softmax_scale, num_splits=int(num_splits) or None,
+                                  variant=variant, window=_window(window_size), **params)
     out = out.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out

@@ -12,6 +12,8 @@ the axes the `variants` table crosses. Tag vocabulary (TAGS; `python -m bench pl
                     block_sparse), dropout (with a dropout_store parameter) and host (tensor-core
                     dtypes: the variant compared with PyTorch SDPA from torch) families
     baseline        materialised attention (S, P in HBM): the reference series of the memory family
+    decode          a split-KV decoding kernel (Nq <= 16 rows against a long KV cache): the decode
+                    family's series, contiguous and through sandbox.decode's paged cache
     io:<model>      profiled by the io family (Nsight Compute bytes) against the byte model <model>
                     of its loop order: materialised, kv-outer (FA1), q-outer (FA2), with the tile
                     sizes of the variant's own config
@@ -83,6 +85,7 @@ TAGS = {
     "backward-rung": "ladder rung only in the backward directions (its forward is another rung's)",
     "flagship": "fastest of its tier: memory, blocksparse, dropout, host families",
     "baseline": "materialised attention: the memory family's reference series",
+    "decode": "split-KV decoding kernel (a few query rows, long KV cache): the decode family",
 }
 IO_MODELS = ("materialised", "kv-outer", "q-outer")     # the io family's byte models: tag io:<model>
 

@@ -110,3 +110,92 @@ def test_nan_propagates_and_padding_pages_are_ignored():
                               variant=VARIANT)
     assert np.isnan(out[1, 0, 0]).all() and np.isnan(lse[1, 0, 0])
     assert np.isfinite(lse[0]).all() and np.isfinite(lse[2]).all()
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal,window,nq", [(False, (2, 0), 1), (True, (3, None), 3), (False, (4, 1), 2),
+                                              (False, (-1, 3), 2)])
+def test_window_matches_the_oracle_across_splits(paged, causal, window, nq):
+    """A window (bottom-right aligned per sequence) survives the split into chunks: each chunk gets
+    the sequence's band moved by its distance from the end (decode._chunk_window)."""
+    lens, nnew = [0, 5, 13], 2
+    q, k_new, v_new, kc, vc, pages, full_k, full_v = _case(nq, lens, nnew, paged, seed=2)
+    out, lse = decode.forward(q, kc, vc, lens, block_table=pages, k_new=k_new, v_new=v_new, causal=causal,
+                              window=window, num_splits=3, variant=VARIANT)
+    for b, n in enumerate(lens):
+        L = n + nnew
+        ref_out, ref_lse = oracle.forward(q[b:b + 1], full_k[b:b + 1, :, :L], full_v[b:b + 1, :, :L], causal=causal,
+                                          window=window)
+        assert tolerance.compare("out", out[b:b + 1], ref_out, "float32").ok, b
+        assert tolerance.compare("lse", lse[b:b + 1], ref_lse, "float32").ok, b
+
+
+# ---- the kernel's host side (no GPU): split planning, envelope, compile units
+
+@pytest.mark.parametrize("B,Hkv,rows,d,max_len", [(1, 8, 4, 128, 262144), (1, 8, 4, 128, 4096), (64, 8, 4, 128, 4096),
+                                                  (8, 8, 4, 128, 65536), (3, 2, 64, 64, 1000), (2, 1, 13, 256, 77),
+                                                  (1, 1, 1, 64, 1), (5, 4, 8, 128, 0)])
+def test_plan_splits_covers_every_key_once(B, Hkv, rows, d, max_len):
+    S, chunk = decode.plan_splits(B, Hkv, rows, d, max_len, sm_count=132)
+    per_iter = decode.keys_per_iter(d, decode.row_tile(rows))
+    assert 1 <= S <= decode.MAX_SPLITS and chunk % per_iter == 0 and chunk >= 1
+    if max_len:
+        assert (S - 1) * chunk < max_len <= S * chunk          # no empty split for the longest sequence
+        assert S == 1 or chunk >= min(decode.MIN_KEYS_PER_SPLIT, max_len) - per_iter
+    blocks = B * Hkv * -(-rows // decode.row_tile(rows)) * S
+    # the GPU is filled, unless the splits are already as short as allowed (or as many)
+    assert (blocks >= decode.BLOCKS_PER_SM_TARGET * 132 or chunk < decode.MIN_KEYS_PER_SPLIT + per_iter
+            or S == decode.MAX_SPLITS)
+    assert decode.plan_splits(B, Hkv, rows, d, max_len, 132, num_splits=2)[0] <= 2
+
+
+def test_plan_splits_follows_the_sm_count():
+    small = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=16)[0]
+    large = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132)[0]
+    assert small < large
+
+
+def test_row_tiles_and_refusals():
+    assert [decode.row_tile(r) for r in (1, 4, 5, 8, 9, 16, 17, 64)] == [4, 4, 8, 8, 16, 16, 16, 16]
+    assert decode.kernel_refusal("float16", 128, 16) is None
+    assert "dtype" in decode.kernel_refusal("float32", 128, 1)
+    assert "head dim" in decode.kernel_refusal("bfloat16", 96, 1)
+    assert "Nq=17" in decode.kernel_refusal("float16", 64, 17)
+    assert decode.relative_band(True, None) == (-(1 << 30), 0)
+    assert decode.relative_band(False, (5, 2)) == (-5, 2)
+    assert decode._chunk_window(-(1 << 30), 0, 7) == (None, 7)
+    assert decode._chunk_window(-(1 << 30), 1 << 30, 7) is None
+
+
+def test_compile_units_name_every_instantiation():
+    names = {n for u in decode.compile_units() for n in u.names}
+    for t in ("__half", "__nv_bfloat16"):
+        for d in decode.KERNEL_HEAD_DIMS:
+            assert f"decode_merge<{t}, {d}>" in names
+            assert {f"decode_splitkv<{t}, {d}, {r}>" for r in decode.ROW_TILES} <= names
+    from sandbox import compile_report
+    gated = {(v, n) for v, _, u in compile_report.units(gate=True) for n in u.names}
+    assert {("decode-splitkv", n) for n in names} <= gated
+
+
+def test_kernel_path_refuses_page_sizes_before_touching_anything():
+    """The kernel's page-size check runs before any device work, with the parameter named."""
+    q = np.zeros((1, 4, 1, 64), np.float16)
+    kc = np.zeros((4, 2, 24, 64), np.float16)
+    with pytest.raises(ValueError, match="page_size=24"):
+        decode._forward_kernel(q, kc, kc.copy(), np.array([30]), 0, np.array([[0, 1, 2, 3]]), None, None, False,
+                               0.125, None, None, kc[:1, :, :1])
+
+
+def test_variant_refuses_more_than_16_rows_and_is_listed():
+    import sandbox
+    from sandbox.problem import make_problem
+    bound = sandbox.get_variant("decode-splitkv")
+    q, k = np.zeros((1, 4, 17, 64), np.float16), np.zeros((1, 2, 40, 64), np.float16)
+    with pytest.raises(ValueError, match="Nq=17"):
+        bound.check(make_problem(q, k, k), "forward")
+    with pytest.raises(ValueError, match="float32"):
+        bound.check(make_problem(q[:, :, :3].astype(np.float32), k.astype(np.float32), k.astype(np.float32)))
+    bound.check(make_problem(q[:, :, :16], k, k, causal=True, window=(8, 0)))
+    row = next(r for r in sandbox.variants() if r["name"] == "decode-splitkv")
+    assert row["tags"] == ["decode"] and row["capabilities"]["backward"] is False
