@@ -154,27 +154,47 @@ def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods
     return build()
 
 
-def check_case(bound: BoundVariant, case: Case, direction: str = "forward") -> list[tolerance.Verdict]:
-    """Run the variant on the case and compare with the oracle; one Verdict per output."""
-    q, k, v, dout = case.inputs()
-    kw = dict(case.options)
+def check_case(bound: BoundVariant, case: Case, direction: str = "forward",
+               references: dict | None = None) -> list[tolerance.Verdict]:
+    """Run the variant on the case and compare with the oracle; one Verdict per output.
+
+    references: a dict the caller keeps while it checks several variants on the same Case object
+    (`sandbox run` checks every variant of a dtype on one case): the inputs and the oracle's answers
+    are then computed once per case object and direction instead of once per variant."""
+    memo = {} if references is None else references
     rounds = bound.params.get("philox_rounds", 10)
+    kw = dict(case.options)
+
+    def once(what, compute):
+        key = (id(case), rounds, what)
+        if key not in memo:
+            memo[key] = (case, compute())      # the case is held so that its id is not reused
+        return memo[key][1]
+
+    q, k, v, dout = once("inputs", case.inputs)
     res = api.forward(q, k, v, variant=bound, **kw)
-    ref_out, ref_lse = oracle.forward(q, k, v, philox_rounds=rounds, **kw)
-    naive, terms = {}, {}
-    if case.dtype == "float32":
-        terms = oracle.term_bounds(dout, q, k, v, philox_rounds=rounds, **kw)
-    else:
-        naive["out"], naive["lse"] = oracle.forward(q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
+
+    def forward_refs():
+        ref = oracle.forward(q, k, v, philox_rounds=rounds, **kw)
+        if case.dtype == "float32":
+            return ref, {}, oracle.term_bounds(dout, q, k, v, philox_rounds=rounds, **kw)
+        return ref, dict(zip(("out", "lse"), oracle.forward(q, k, v, precision=case.dtype,
+                                                            philox_rounds=rounds, **kw))), {}
+
+    (ref_out, ref_lse), naive, terms = once("forward", forward_refs)
     verdicts = [tolerance.compare(name, _host(got), ref, case.dtype, naive.get(name), name, terms.get(name, 0.0))
                 for name, got, ref in (("out", res.out, ref_out), ("lse", res.lse, ref_lse))]
     if direction == "backward":
         grads = api.backward(dout, res)
-        refs = oracle.backward(dout, q, k, v, philox_rounds=rounds, **kw)
-        naives = (oracle.backward(dout, q, k, v, precision=case.dtype, philox_rounds=rounds, **kw)
-                  if case.dtype != "float32" else (None,) * 3)
-        rounding = (oracle.output_rounding_bounds(dout, q, k, v, philox_rounds=rounds, **kw)
-                    if case.dtype != "float32" else {})
+
+        def backward_refs():
+            refs = oracle.backward(dout, q, k, v, philox_rounds=rounds, **kw)
+            if case.dtype == "float32":
+                return refs, (None,) * 3, {}
+            return (refs, oracle.backward(dout, q, k, v, precision=case.dtype, philox_rounds=rounds, **kw),
+                    oracle.output_rounding_bounds(dout, q, k, v, philox_rounds=rounds, **kw))
+
+        refs, naives, rounding = once("backward", backward_refs)
         for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
             verdicts.append(tolerance.compare(name, _host(g), r, case.dtype, n, "grad", terms.get(name, 0.0),
                                               rounding.get(name, 0.0)))
