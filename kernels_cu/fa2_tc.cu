@@ -37,6 +37,7 @@
 // multiple of 8, zero-filled to D); a warp's rows and keys per tile multiples of 16.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
+#include "tc_mods.cuh"
 
 // ---- kernels
 
@@ -50,7 +51,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
                float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
-               MASK_PARAMS, DROPOUT_PARAMS) {
+               MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WARPS * 32;
     constexpr int RW = SPLIT_Q ? BR / WARPS : BR;   // query rows per warp
     constexpr int CW = SPLIT_Q ? BC : BC / WARPS;   // keys per warp per tile
@@ -79,7 +80,11 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     const int wrow = SPLIT_Q ? warp * RW : 0, wcol = SPLIT_Q ? 0 : warp * CW;    // this warp's rows and keys
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
+#ifdef FA_MODS
+    const signed char* trow = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
+#else
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+#endif
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     t = next_live_tile(trow, t, t1);
@@ -122,14 +127,23 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
         // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
         const int cls = trow[t];
+#ifdef FA_MODS
+        // modifiers: the score modifier on every element (the mask's -inf after it), the row range checked
+        // in every tile that crosses Nq or Nk (a buffer indexed by i or j must not be read past its end)
+        const float sscale = mod_softmax_scale(scale_log2);
+        mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow,
+                   col0 + wcol, Nq, Nk, g, tq, MOD_FN_ARGS);
+#else
+        const float sscale = scale_log2;
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);
+#endif
         if constexpr (SPLIT_Q) {
-            online_softmax(s, m, l, o, scale_log2);
+            online_softmax(s, m, l, o, sscale);
         } else {
             float mx[MT][2];
             row_max(s, mx);
             agree_row_max<WARPS, BR>(mx, xm, warp, g, tq);   // read before the barrier below: xm is free again
-            softmax_update(s, m, l, o, mx, scale_log2);
+            softmax_update(s, m, l, o, mx, sscale);
         }
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0 + wcol, g, tq);
 
@@ -149,5 +163,8 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         if (warp != WARPS - 1) return;                // the last warp holds the whole rows
     }
 
+#ifdef FA_MODS
+    fold_sinks(o, m, l, mod_sink, h, tq);             // attention sinks join the denominator (FA_SINKS only)
+#endif
     write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
 }

@@ -46,6 +46,7 @@
 // fewer registers per warp (FA2's 2-D warp layouts for S and dP), so occupancy comes without spills.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
+#include "tc_mods.cuh"
 
 #define LOG2E_F 1.4426950408889634f
 
@@ -75,7 +76,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
            T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
            const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
            int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-           float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+           float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WARPS * 32;
     constexpr int NQ = BR / 8;          // n8 tiles of S^T (queries)
     constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
@@ -132,7 +133,11 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
 
     // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
     auto cls_of = [&](int gi, int t) {
+#ifdef FA_MODS
+        return (int)tiles[(mod_tile_index(mod_tile_b, tile_heads, b, hk * group + gi) * nTr + t) * nTc + tc];
+#else
         return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
+#endif
     };
     auto advance = [&](int& gi, int& t) {        // to the next non-empty (gi, t); false past the end
         if (t0 > t1) return false;
@@ -183,12 +188,30 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;                  // query
                     const int j = col0 + wkey + mk * 16 + g + (e >= 2 ? 8 : 0);            // key
                     const float L = cL[x];
+#ifdef FA_MODS
+                    const bool vis = L != NEG_INF &&
+                                     (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
+                    float x2 = s[mk][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
+#ifdef FA_SCORE_MOD
+                    if (vis) {
+                        const float sn = s[mk][n][e] * scale;
+                        x2 = score_mod(sn, b, h, i, j FA_SM_ARGS) * LOG2E;
+                        gr = score_mod_grad(sn, b, h, i, j FA_SM_ARGS);
+                    }
+#endif
+                    const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
+#else
                     const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
                     const float p = vis ? exp2_ftz(s[mk][n][e] * scale_log2 - L) : 0.0f;
+#endif
                     float f = 1.0f;                       // Z / (1 - p) of element (i, j)
                     if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
                     s[mk][n][e] = p * f;                  // P_drop^T (dV's A operand)
+#ifdef FA_MODS
+                    dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]) * gr;   // dS_raw = dS_mod o mod'(s)
+#else
                     dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+#endif
                 }
             gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
             gemm_pv<T, D, BR>(dk, dp, vd.v + off);       // dK += dS^T Q (scaled at the end)
@@ -263,7 +286,7 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
               T* __restrict__ dQ,                 // [B, Hq, Nq, d] contiguous
               const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
               int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-              float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+              float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WARPS * 32;
     constexpr int NT = BC / 8;          // n8 tiles of S and dP (keys)
     constexpr int ND = D / 8;           // n8 tiles of dQ
@@ -284,7 +307,11 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
     const float scale_log2 = scale * LOG2E_F;
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
+#ifdef FA_MODS
+    const signed char* trow = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
+#else
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+#endif
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     t = next_live_tile(trow, t, t1);
@@ -339,11 +366,28 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     const int e = 2 * hr + c;
+#ifdef FA_MODS
+                    const bool vis = L[hr] != NEG_INF &&
+                                     (!masked || (i < Nq && j + c < Nk &&
+                                                  (cls == TILE_FULL || mod_visible(mask, b, h, i, j + c, MOD_FN_ARGS))));
+                    float x2 = s[0][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
+#ifdef FA_SCORE_MOD
+                    if (vis) {
+                        const float sn = s[0][n][e] * scale;
+                        x2 = score_mod(sn, b, h, i, j + c FA_SM_ARGS) * LOG2E;
+                        gr = score_mod_grad(sn, b, h, i, j + c FA_SM_ARGS);
+                    }
+#endif
+                    const float p = vis ? exp2_ftz(x2 - L[hr]) : 0.0f;
+                    const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
+                    s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]) * gr;   // dS_raw = dS_mod o mod'(s)
+#else
                     const bool vis = L[hr] != NEG_INF &&
                                      (!masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
                     const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L[hr]) : 0.0f;
                     const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
                     s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]);   // dS = P o (dP Z / (1 - p) - D)
+#endif
                 }
             }
         gemm_pv<T, D, BC>(dq, s, da.v + off);        // dQ += dS K_t, dS from registers

@@ -525,3 +525,81 @@ def twin_errors(mod, B=1, H=2, Nq=5, Nk=6, seed=0, rtol=1e-5) -> list[str]:
                 errs.append(f"score_mod {mod.name!r}: scalar_grad {got!r} != grad {g[e]!r} at {e}")
                 break
     return errs
+
+
+# ---- the CUDA C kernels of the tensor-core tier (kernels_cu/tc_mods.cuh)
+
+# Kernel types of captured buffers (the _cuda_fn signature): NumPy dtype per kind.
+_KERNEL_DTYPES = {"b": np.uint8, "i": np.int32, "u": np.int32, "f": np.float32}
+
+
+def _one_line(text: str, where: str) -> str:
+    """CUDA C text for a -D macro: newlines become spaces; a line comment or a preprocessor directive
+    would swallow or break the rest of the macro, so they are refused (ValueError)."""
+    if "//" in text or "#" in text or "\\" in text:
+        raise ValueError(f"{where}: the CUDA C text of a modifier compiled into the tensor-core kernels may not "
+                         "hold '//' comments, '#' directives or backslashes (use /* */ comments)")
+    return " ".join(text.split())
+
+
+def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backward: bool = False) -> tuple:
+    """NVRTC -D options that compile the modifiers into a tensor-core kernel module (tc_mods.cuh):
+    the switches FA_SCORE_MOD, FA_SCORE_MOD_GRAD (backward), FA_SINKS, FA_MASK_MOD, the device functions
+    (FA_MOD_FUNCS) and the buffers as kernel parameters and call arguments (FA_SM_* with prefix sm_,
+    FA_MM_* with prefix mm_, so that no buffer name meets a kernel variable). () with neither: the
+    module is the one without modifiers. ValueError for a backward through a forward-only modifier."""
+    if score_mod is None and mask_mod is None:
+        return ()
+    opts, funcs = [], []
+    if score_mod is not None:
+        where = f"score_mod {score_mod.name!r}"
+        opts.append("-DFA_SCORE_MOD=1")
+        funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(score_mod.cuda, where), score_mod.buffers))
+        if backward:
+            if not score_mod.has_grad:
+                raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
+            opts.append("-DFA_SCORE_MOD_GRAD=1")
+            funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(score_mod.cuda_grad, where),
+                                  score_mod.buffers))
+        if score_mod.sink is not None:
+            opts.append("-DFA_SINKS=1")
+        opts += _buffer_macros("SM", "sm_", score_mod.buffers)
+    if mask_mod is not None:
+        opts.append("-DFA_MASK_MOD=1")
+        funcs.append(_cuda_fn("mask_mod", "", _one_line(mask_mod.cuda, f"mask_mod {mask_mod.name!r}"),
+                              mask_mod.buffers, result="bool"))
+        opts += _buffer_macros("MM", "mm_", mask_mod.buffers)
+    opts.append("-DFA_MOD_FUNCS=" + " ".join(" ".join(f.split()) for f in funcs))
+    return tuple(opts)
+
+
+def _buffer_macros(tag: str, prefix: str, buffers: dict) -> list:
+    if not buffers:
+        return []
+    params, args = [], []
+    for name, arr in buffers.items():
+        params.append(f"const {_C_TYPES[arr.dtype.kind]}* __restrict__ {prefix}{name}")
+        args.append(f"{prefix}{name}")
+        for a in range(arr.ndim):
+            params.append(f"int {prefix}{name}_shape{a}")
+            args.append(f"{prefix}{name}_shape{a}")
+    return [f"-DFA_{tag}_PARAMS=, {', '.join(params)}", f"-DFA_{tag}_ARGS=, {', '.join(args)}"]
+
+
+def cuda_buffers(mod) -> list:
+    """The modifier's buffers as the kernels take them (tc_mods.cuh, _cuda_fn): bool as uint8, integers as
+    int32 (ValueError past its range), floats as float32; C-contiguous, in declaration order, each
+    followed by its shape on the kernel's side."""
+    out = []
+    for name, arr in mod.buffers.items():
+        if arr.dtype.kind in "iu" and arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
+            raise ValueError(f"{mod.name}: buffer {name!r} does not fit in int32, which the CUDA kernels take")
+        out.append(np.ascontiguousarray(arr, dtype=_KERNEL_DTYPES[arr.dtype.kind]))
+    return out
+
+
+def sink_vector(score_mod: "ScoreMod | None", H: int) -> np.ndarray:
+    """float32 [H]: the sink logit per query head, as the kernels read it (zeros without sinks: unread)."""
+    if score_mod is None or score_mod.sink is None:
+        return np.zeros(1, np.float32)
+    return np.ascontiguousarray(np.broadcast_to(score_mod.sink, (H,)), dtype=np.float32)

@@ -52,22 +52,24 @@ def _window(has_window: bool, left: Optional[int], right: Optional[int]):
 
 
 def _forward(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right,
-             layout, block_q, block_k):
+             layout, block_q, block_k, score_mod=None, mask_mod=None):
     name, prm = _spec(variant, params)
     res = api.forward(q, k, v, name, causal, scale, dropout_p, int(seed.item()) if seed is not None else 0, 0,
-                      _window(has_window, left, right), _block_mask(layout, block_q, block_k), **prm)
+                      _window(has_window, left, right), _block_mask(layout, block_q, block_k), score_mod, mask_mod,
+                      **prm)
     return res.out, res.lse
 
 
 def _backward(dout, q, k, v, out, lse, seed, variant, params, causal, scale, dropout_p, has_window, left,
-              right, layout, block_q, block_k):
+              right, layout, block_q, block_k, score_mod=None, mask_mod=None):
     name, prm = _spec(variant, params)
     rng = (int(seed.item()) if seed is not None else 0, 0)
     if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
         dout = dout.contiguous()        # autograd may hand an expanded, strided or offset gradient
     return api.backward(dout, None, name, q=q, k=k, v=v, out=out, lse=lse, rng=rng, causal=causal, scale=scale,
                         dropout_p=dropout_p, window=_window(has_window, left, right),
-                        block_mask=_block_mask(layout, block_q, block_k), **prm)
+                        block_mask=_block_mask(layout, block_q, block_k), score_mod=score_mod, mask_mod=mask_mod,
+                        **prm)
 
 
 # ---- the custom ops (torch.compile)
@@ -138,15 +140,37 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, *([None] * len(ctx.options))
 
 
+class _AttentionMods(torch.autograd.Function):
+    """The eager route with score / mask modifiers (sandbox/modifiers.py objects, which the custom ops'
+    schema cannot carry): `mods` = (score_mod, mask_mod) beside the options."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seed, mods, *options):
+        out, lse = _forward(q, k, v, seed, *options, *mods)
+        ctx.save_for_backward(q, k, v, out, lse, seed)
+        ctx.options, ctx.mods = options, mods
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, seed = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, seed, *ctx.options, *ctx.mods)
+        return dq, dk, dv, None, None, *([None] * len(ctx.options))
+
+
 # ---- the public entry point
 
 def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0, window=None, block_mask=None,
-              enable_gqa=False, generator=None, **params):
+              enable_gqa=False, generator=None, score_mod=None, mask_mod=None, **params):
     """softmax(mask(scale q k^T)) v with dropout, differentiable, in SDPA's (B, H, N, d) convention.
 
     variant: a registered name (None: fa2-tc for fp16 / bf16, fa2 for fp32); `**params` its parameters.
     enable_gqa: as in SDPA, needed when k and v have fewer heads than q.
     generator: a CPU torch.Generator for the dropout seed (default: torch's default CPU generator).
+    score_mod / mask_mod: sandbox.modifiers.ScoreMod / MaskMod (issue 18) for variants whose capabilities
+    list them (fa2-tc compiles them into its kernels); eager only: the torch.compile custom ops take
+    plain values, so under torch.compile they raise a ValueError.
     Returns out (B, Hq, Nq, d) in q's dtype.
     """
     if not isinstance(enable_gqa, bool):
@@ -179,6 +203,15 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
         layout, (bq, bk) = torch.from_numpy(block_mask.layout.astype(bool)), block_mask.block
     options = (name, json.dumps(params, sort_keys=True) if params else "", causal, float(scale), float(dropout_p),
                has_window, left, right, layout, int(bq), int(bk))
+    if score_mod is not None or mask_mod is not None:
+        if torch.compiler.is_compiling():
+            raise ValueError("score_mod / mask_mod run on the eager route only: the torch.compile custom ops "
+                             "(sandbox::attention_fwd) take plain values, not modifier objects")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, _ = _AttentionMods.apply(q, k, v, seed, (score_mod, mask_mod), *options)
+        else:
+            out, _ = _forward(q, k, v, seed, *options, score_mod, mask_mod)
+        return out
     if torch.compiler.is_compiling():
         out, _ = attention_fwd(q, k, v, seed, *options)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -22,13 +22,17 @@ and 0.73-0.86x (638f5f8). The rung below is fa2-tc-naive.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
-from sandbox import arrays
+import numpy as np
+
+from sandbox import arrays, modifiers
 from sandbox.device import SMEM_PER_BLOCK_OPTIN
-from sandbox.launch import (LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table,
-                            u32)
+from sandbox.launch import (LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4,
+                            tile_table, u32)
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
+from sandbox.masks import classify_tiles, classify_tiles_mod
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
@@ -182,20 +186,25 @@ class TCConfig:
     def dq_smem(self, D: int) -> int:
         return ITEMSIZE * D * (2 * self.DQ_BR + 4 * self.DQ_BC)                # Q, dO, 2x (K, V)
 
-    def backward_unit(self, dtype: str, D: int) -> CompileUnit:
-        smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in (False, True)}
+    def backward_unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
+        """Both dropout switches in one module; with `mods` (ModKernel) its dropout switch only."""
+        drops = (False, True) if mods is None else (mods.dropout,)
+        smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in drops}
         smem[self.rowdot_name(dtype)] = 0
         if self.deterministic:
-            smem.update({self.dq_name(dtype, D, drop): self.dq_smem(D) for drop in (False, True)})
-        return CompileUnit("fa2_tc_bwd.cu", tuple(smem), cuda_options(), smem,
-                           label=f"fa2-tc-bwd[{dtype}, D={D}{', deterministic' if self.deterministic else ''}]")
+            smem.update({self.dq_name(dtype, D, drop): self.dq_smem(D) for drop in drops})
+        return CompileUnit("fa2_tc_bwd.cu", tuple(smem), cuda_options() + (mods.options if mods else ()), smem,
+                           label=f"fa2-tc-bwd[{dtype}, D={D}{', deterministic' if self.deterministic else ''}"
+                                 f"{mods.label if mods else ''}]")
 
-    def unit(self, dtype: str, D: int) -> CompileUnit:
-        """Both dropout switches in one module (the no-dropout kernel carries no Philox code)."""
-        names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
-        return CompileUnit("fa2_tc.cu", names, cuda_options(),
-                           {n: self.forward_smem(D, drop) for n, drop in zip(names, (False, True))},
-                           label=f"fa2-tc[{dtype}, D={D}]")
+    def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
+        """Both dropout switches in one module (the no-dropout kernel carries no Philox code); with `mods`
+        (ModKernel: the modifiers compiled in) the one switch it names, since every modifier is a module."""
+        drops = (False, True) if mods is None else (mods.dropout,)
+        names = tuple(self.forward_name(dtype, D, drop) for drop in drops)
+        return CompileUnit("fa2_tc.cu", names, cuda_options() + (mods.options if mods else ()),
+                           {n: self.forward_smem(D, drop) for n, drop in zip(names, drops)},
+                           label=f"fa2-tc[{dtype}, D={D}{mods.label if mods else ''}]")
 
     # split-K: every warp holds Br x D accumulators; past 128 floats per lane the kernel spills
     MAX_O_REGS = 128
@@ -219,6 +228,66 @@ class TCConfig:
         if smem > SMEM_LIMIT:
             errs.append(f"shared memory {smem} B exceeds {SMEM_LIMIT} B")
         return errs
+
+
+# ---- modifiers (issue 18): compiled into the module, kernels_cu/tc_mods.cuh
+
+@dataclass(frozen=True)
+class ModKernel:
+    """What a problem's score / mask modifiers add to a kernel module: the NVRTC -D options that
+    compile their CUDA C text in (modifiers.cuda_defines; the module cache is keyed by them), the
+    dropout switch of the one kernel such a module holds, and a label for compile reports."""
+
+    options: tuple
+    dropout: bool
+    label: str
+
+    @classmethod
+    def of(cls, p, backward: bool = False) -> "ModKernel | None":
+        """None without modifiers: the module and kernels are the ones without them."""
+        if p.score_mod is None and p.mask_mod is None:
+            return None
+        opts = modifiers.cuda_defines(p.score_mod, p.mask_mod, backward)
+        names = [f"{m.name}:{m.cuda_key}" for m in (p.score_mod, p.mask_mod) if m is not None]
+        return cls(opts, p.dropout_p > 0, f", {', '.join(names)}")
+
+
+def _device_copy(arr: np.ndarray, xp):
+    """A device copy of a host array, cached by content (a loop over one modifier uploads once); with
+    xp None the host array itself (the argument-packing tests run without a GPU)."""
+    if xp is None:
+        return arr
+    key = ("mod-buffer", arr.dtype.str, arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
+    return _cached(key, lambda: xp.asarray(arr), xp)
+
+
+def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
+    """(tile table [Bm * Hm, ceil(Nq/Br), ceil(Nk/Bc)] int8, i32(Hm) its heads, i32(Bm) its batch extent):
+    the classes of band AND block mask AND mask modifier (masks.classify_tiles_mod, cached per mask) so
+    that the kernels skip empty tiles and run the predicate in partial ones only; without a mask
+    modifier the usual table (Bm = 1). xp None: host arrays."""
+    if p.mask_mod is None:
+        if xp is None:
+            t = classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+            return t, i32(t.shape[0]), i32(1)
+        return (*tile_table(p, block_r, block_c, xp), i32(1))
+    cls = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+    Bm, Hm = cls.shape[:2]
+    table = np.ascontiguousarray(cls.reshape(Bm * Hm, *cls.shape[2:]))
+    return _device_copy(table, xp), i32(Hm), i32(Bm)
+
+
+def modifier_args(p, tile_b, xp=None) -> tuple:
+    """MOD_PARAMS of kernels_cu/tc_mods.cuh after DROPOUT_PARAMS: the tile table's batch extent, |scale|
+    (the forward's modifier sees |scale| q.(-k) = scale q.k where the host negated K), the sink logits
+    [Hq] (float32), then each buffer of the score modifier and of the mask modifier in declaration
+    order as the kernel's type (modifiers.cuda_buffers) followed by its shape (int32 each)."""
+    args = (i32(tile_b), f32(abs(p.scale)), _device_copy(modifiers.sink_vector(p.score_mod, p.Hq), xp))
+    for mod in (p.score_mod, p.mask_mod):
+        if mod is not None:
+            for arr in modifiers.cuda_buffers(mod):
+                args += (_device_copy(arr, xp), *(i32(n) for n in arr.shape))
+    return args
 
 
 # ---- launch
@@ -255,6 +324,11 @@ class FA2TensorCore:
             errs += config.backward_errors(d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
+        for mod in (problem.score_mod, problem.mask_mod):     # their CUDA text and buffers, before any launch
+            if mod is not None:
+                modifiers.cuda_buffers(mod)
+        if problem.score_mod is not None or problem.mask_mod is not None:
+            ModKernel.of(problem, direction in ("backward", "both"))
         if errs:
             raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
@@ -297,7 +371,8 @@ class FA2TensorCore:
         for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
             check_alignment(x, nm, self.name)
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        unit = config.backward_unit(p.dtype, D)
+        mods = ModKernel.of(p, backward=True)       # None without modifiers: the kernels without them
+        unit = config.backward_unit(p.dtype, D, mods)
         name = config.backward_name(p.dtype, D, dropout)
         if config.bwd_pre == "cupy":
             Dv = xp.sum(arrays.to_float32(dout, xp) * arrays.to_float32(out, xp), axis=-1)
@@ -312,25 +387,58 @@ class FA2TensorCore:
         dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
         br, bc, warps, _ = config.bwd_geometry(D)
-        tiles, tile_heads = tile_table(p, br, bc, xp)
         operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
         rest = (i32(p.Nq), i32(p.Nk), i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_args(p))
+        if mods is None:
+            tiles, tile_heads = tile_table(p, br, bc, xp)
+            mod_rest = ()
+        else:
+            tiles, tile_heads, tile_b = modifier_tiles(p, br, bc, xp)
+            mod_rest = modifier_args(p, tile_b, xp)
         launch(unit, name, (-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,),
-               (*operands, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), *rest),
+               (*operands, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         if not config.deterministic:
             return arrays.from_float32(dq, q.dtype, xp), dk, dv
         dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         name = config.dq_name(p.dtype, D, dropout)
         if (br, bc) != (config.DQ_BR, config.DQ_BC):
-            tiles, tile_heads = tile_table(p, config.DQ_BR, config.DQ_BC, xp)
+            if mods is None:
+                tiles, tile_heads = tile_table(p, config.DQ_BR, config.DQ_BC, xp)
+            else:
+                tiles, tile_heads, tile_b = modifier_tiles(p, config.DQ_BR, config.DQ_BC, xp)
+                mod_rest = modifier_args(p, tile_b, xp)
         launch(unit, name, (-(-p.Nq // config.DQ_BR), p.B * p.Hq), (32 * config.DQ_WARPS,),
-               (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest),
+               (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         return dq, dk, dv
 
     def forward(self, p, q, k, v, config):
+        if p.score_mod is not None or p.mask_mod is not None:
+            return self.launch_mods(p, q, k, v, config)
         return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
+
+    def launch_mods(self, p, q, k, v, config):
+        """The forward with score / mask modifiers compiled into its module (ModKernel): the launch of
+        `launch` with the modifiers' tile table (mask modifier classes folded in) and MOD_PARAMS."""
+        import cupy as xp
+        for x, nm in ((q, "q"), (k, "k"), (v, "v")):
+            check_alignment(x, nm, self.name)
+        if p.scale < 0:
+            k = arrays.negate(k, xp)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        mods = ModKernel.of(p)
+        unit = config.unit(p.dtype, D, mods)
+        name = config.forward_name(p.dtype, D, dropout)
+        out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
+        lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+        tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D, dropout), xp)
+        launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
+               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse,
+                tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p), *modifier_args(p, tile_b, xp)),
+               shared_mem=unit.dynamic_smem[name])
+        return out, lse
 
     def launch(self, p, q, k, v, config, grid, scratch=()):
         """The shared signature of the tensor-core forward kernels; `scratch`: arrays a kernel takes
@@ -362,7 +470,7 @@ class FA2TensorCore:
         """`strides`: element strides of q, k, v. None where the generic path must run (a negative
         scale negates K into a copy first)."""
         import cupy as xp
-        if p.scale < 0:
+        if p.scale < 0 or p.score_mod is not None or p.mask_mod is not None:
             return None
         for nm in ("q", "k", "v"):
             _check_row_strides(strides[nm], nm, self.name)
@@ -389,7 +497,7 @@ class FA2TensorCore:
         fp32 accumulator zeroed by the caller and cast to the input dtype after the run, unless
         deterministic), dk, dv."""
         import cupy as xp
-        if config.bwd_pre != "kernel":
+        if config.bwd_pre != "kernel" or p.score_mod is not None or p.mask_mod is not None:
             return None
         for nm in ("q", "k", "v", "out", "dout"):
             _check_row_strides(strides[nm], nm, self.name)
@@ -478,12 +586,14 @@ PARAMS = (
           "16-bit inputs (fa2_tc_bwd_rowdot), or the CuPy expression with fp32 casts (the rung below)"),
 )
 CAPS = Capabilities(backward=False, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
-CAPS_BWD = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
+# fa2-tc and fa2-tc-deterministic: score and mask modifiers compiled into the module (ModKernel)
+CAPS_MODS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)),
+                         score_mod=True, mask_mod=True)
 
 register(Variant(
     name="fa2-tc", family="fa2", backend="cuda",
     description="FA2 on tensor cores: mma.sync m16n8k16, ldmatrix, swizzled smem, cp.async overlap; atomic dQ",
-    impl=FA2TensorCore(), params=PARAMS, caps=CAPS_BWD,
+    impl=FA2TensorCore(), params=PARAMS, caps=CAPS_MODS,
     seed_ref="FA2 paper Algorithms 1 and 2, Sec. 3.1 and 3.3",
     tags=("tc-ladder", "flagship", "io:q-outer"),
     bench_configs=({"block_r": 64, "block_c": 64, "min_blocks": "auto"}, {"warps": 8, "block_c": 64, "min_blocks": 2},
@@ -494,6 +604,6 @@ register(Variant(
 register(Variant(
     name="fa2-tc-deterministic", family="fa2", backend="cuda",
     description="fa2-tc with a deterministic backward: dK / dV column kernel plus a row-parallel dQ kernel, no atomics",
-    impl=FA2TensorCore(deterministic=True), params=PARAMS, caps=CAPS_BWD,
+    impl=FA2TensorCore(deterministic=True), params=PARAMS, caps=CAPS_MODS,
     seed_ref="FA2 paper Algorithm 1 and 2, Sec. 3.3",
     tags=("tc-ladder", "backward-rung")))

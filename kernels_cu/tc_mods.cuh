@@ -1,0 +1,120 @@
+// tc_mods.cuh: score and mask modifiers (issue 18) compiled into the tensor-core kernels (fa2_tc.cu,
+// fa2_tc_bwd.cu), on the registers of mma.m16n8k16 C fragments (layout: tc_softmax.cuh).
+//
+// Everything here is behind preprocessor switches that sandbox/modifiers.py (`cuda_defines`) sets
+// as NVRTC -D options; without them this header defines MOD_PARAMS as nothing and no function, so a
+// kernel without modifiers compiles to the same code as before it included this header.
+//   FA_SCORE_MOD        a score modifier: float score_mod(float s, int b, int h, int i, int j, buffers...)
+//   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
+//   FA_SINKS            a per-head sink logit in the softmax denominator (kernel argument mod_sink[Hq])
+//   FA_MASK_MOD         a mask modifier: bool mask_mod(int b, int h, int i, int j, buffers...)
+//   FA_MOD_FUNCS        the device functions above (the modifier's CUDA C text, on one line)
+//   FA_SM_PARAMS / FA_SM_ARGS   the score modifier's buffers as kernel parameters (", const float*
+//                       __restrict__ sm_cap, int sm_cap_shape0") and as the call's arguments (", sm_cap,
+//                       sm_cap_shape0"); FA_MM_PARAMS / FA_MM_ARGS the mask modifier's (prefix mm_).
+// Semantics (sandbox/modifiers.py, docs/ARCHITECTURE.md "Score and mask modifiers"): the modifier sees
+// the scaled score s = scale q.k in natural units and indices (b, h, i, j) with h the query head and
+// i, j raw positions; the mask modifier is ANDed with causal, window and the block mask; a sink joins
+// the denominator with no value row. The host folds the mask modifier's tile classes into the tile
+// table ([mod_tile_b x tile_heads] tables, masks.classify_tiles_mod), so full tiles skip the
+// predicate and empty ones are never loaded.
+#pragma once
+
+#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD)
+#define FA_MODS 1
+#ifndef FA_SM_PARAMS
+#define FA_SM_PARAMS
+#define FA_SM_ARGS
+#endif
+#ifndef FA_MM_PARAMS
+#define FA_MM_PARAMS
+#define FA_MM_ARGS
+#endif
+
+FA_MOD_FUNCS
+
+// Kernel arguments after DROPOUT_PARAMS: the tile table's batch extent (1 or B; tile_heads is its head
+// extent), |scale| for the forward's modifier (the host passes K negated for a negative scale, so
+// mod_scale * (q . -k) = scale q.k), the sink logits [Hq] (read only with FA_SINKS), the buffers.
+#define MOD_PARAMS , int mod_tile_b, float mod_scale, const float* __restrict__ mod_sink FA_SM_PARAMS FA_MM_PARAMS
+#define MOD_FN_PARAMS float mod_scale FA_SM_PARAMS FA_MM_PARAMS
+#define MOD_FN_ARGS mod_scale FA_SM_ARGS FA_MM_ARGS
+
+// ---- device helpers
+
+// The tile table's row for batch entry b, query head h: [mod_tile_b][tile_heads][...] tables.
+__device__ __forceinline__ long long mod_tile_index(int mod_tile_b, int tile_heads, int b, int h) {
+    return (long long)(mod_tile_b == 1 ? 0 : b) * tile_heads + (tile_heads == 1 ? 0 : h);
+}
+
+// Element (b, h, i, j) visible under the band / block mask and the mask modifier (in range: the caller checks).
+__device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int i, int j, MOD_FN_PARAMS) {
+#ifdef FA_MASK_MOD
+    return mask.visible(h, i, j) && mask_mod(b, h, i, j FA_MM_ARGS);
+#else
+    return mask.visible(h, i, j);
+#endif
+}
+
+// The forward's scores after the modifiers, in place: with a score modifier, mod(mod_scale s) in natural
+// units (the caller's softmax then takes LOG2E as its scale); without one the raw scores (its scale
+// stays scale log2 e). -inf where invisible: out of range, the band / block mask or the mask modifier
+// (in tiles that are not `full`: a full tile has every element in range and visible).
+template <int MT, int NT>
+__device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, const Mask& mask, int b, int h,
+                                           int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
+                const int j = col0 + n * 8 + 2 * tq + (e & 1);
+                const bool vis = full || (i < Nq && j < Nk && mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
+#ifdef FA_SCORE_MOD
+                s[mt][n][e] = vis ? score_mod(s[mt][n][e] * mod_scale, b, h, i, j FA_SM_ARGS) : NEG_INF;
+#else
+                if (!vis) s[mt][n][e] = NEG_INF;
+#endif
+            }
+}
+
+// The softmax's factor from the scores mod_scores leaves to log2 units.
+__device__ __forceinline__ float mod_softmax_scale(float scale_log2) {
+#ifdef FA_SCORE_MOD
+    return LOG2E;
+#else
+    return scale_log2;
+#endif
+}
+
+// Sinks: the running max m (log2 units) and the lane partial sums l take the sink logit sink_h in, with O
+// rescaled to the new max, so that write_output divides by sum_j 2^(s_j - m) + 2^(sink - m) and writes
+// lse = log(sum_j e^s_j + e^sink). A row that saw no key: O = 0, lse = sink. The sink enters l once per
+// row (the quad's lane tq = 0).
+template <int MT, int ND>
+__device__ __forceinline__ void fold_sinks(float (&o)[MT][ND][4], float (&m)[MT][2], float (&l)[MT][2],
+                                           const float* __restrict__ mod_sink, int h, int tq) {
+#ifdef FA_SINKS
+    const float sk = mod_sink[h] * LOG2E;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float m_new = fmaxf(m[mt][hr], sk);
+            const float c = exp2_ftz(m[mt][hr] - m_new);          // 0 for a row that saw nothing (m = -inf)
+            l[mt][hr] = l[mt][hr] * c + (tq == 0 ? exp2_ftz(sk - m_new) : 0.0f);
+            m[mt][hr] = m_new;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                o[mt][n][2 * hr] *= c;
+                o[mt][n][2 * hr + 1] *= c;
+            }
+        }
+#endif
+}
+
+#else
+#define MOD_PARAMS
+#endif

@@ -1,0 +1,293 @@
+"""Score and mask modifiers compiled into the fa2-tc kernels (issue 18; variants/fa2_tc.py ModKernel,
+kernels_cu/tc_mods.cuh).
+
+Without a GPU: NVRTC builds of fa2-tc's forward and backward with each built-in modifier (sm_90,
+the H100 / H200 target) held to register / spill gates; the kernel argument list the host packs
+against the parameters the -D options declare; the modifiers' tile tables; the refusals before any
+launch. With a GPU (`pytest -m gpu`): fa2-tc and fa2-tc-deterministic against the oracle with every
+built-in modifier, forward and backward, fp16 and bf16 (explicit cases and Hypothesis), and
+sandbox.torch.attention with score_mod= / mask_mod= through autograd.
+"""
+import re
+
+import numpy as np
+import pytest
+
+from sandbox import fuzz, get_variant, loader, modifiers as M
+from sandbox.device import has_gpu
+from sandbox.masks import TILE_EMPTY, BlockSparse, classify_tiles_mod
+from sandbox.problem import make_problem
+from sandbox.registry import all_variants
+from variants.fa2_tc import ModKernel, TCConfig, d_pad, modifier_args, modifier_tiles
+
+B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
+
+
+def _score_mods():
+    rng = np.random.default_rng(0)
+    return {"softcap": M.softcap(2.0), "alibi": M.alibi(M.alibi_slopes(HQ)),
+            "relative_bias": M.relative_bias(rng.standard_normal((HQ, 7)), 3),
+            "sinks": M.sinks(rng.normal(size=HQ)), "softcap+sinks": M.softcap(3.0).with_sinks([0.5])}
+
+
+def _mask_mods():
+    ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
+    kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
+    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
+
+
+def _problem(score_mod=None, mask_mod=None, dtype=np.float16, d=64, **kw):
+    q = np.zeros((B, HQ, NQ, d), dtype)
+    k = np.zeros((B, HKV, NK, d), dtype)
+    return make_problem(q, k, k, score_mod=score_mod, mask_mod=mask_mod, **kw)
+
+
+# ---- no GPU: capabilities, units, argument packing, tile tables, refusals
+
+def test_fa2_tc_claims_modifiers_and_the_fuzzer_draws_them():
+    from hypothesis import HealthCheck, find, settings
+    for name in ("fa2-tc", "fa2-tc-deterministic"):
+        caps = all_variants()[name].caps
+        assert caps.score_mod and caps.mask_mod and caps.backward
+    bound = get_variant("fa2-tc")
+    fast = settings(max_examples=500, database=None, suppress_health_check=list(HealthCheck))
+    case = find(fuzz.cases(bound, "float16"), lambda c: "score_mod" in c.options and "mask_mod" in c.options,
+                settings=fast)
+    bound.check(make_problem(*case.inputs()[:3], **case.options), "backward")     # accepted, not refused
+
+
+def test_units_without_modifiers_are_unchanged():
+    cfg = TCConfig()
+    p = _problem()
+    assert ModKernel.of(p) is None and ModKernel.of(p, backward=True) is None
+    for D in (64, 128):
+        plain, none = cfg.unit("float16", D), cfg.unit("float16", D, None)
+        assert plain == none and plain.options == none.options and not any("-DFA_" in o for o in plain.options)
+        assert len(plain.names) == 2                       # both dropout switches, as before
+        assert not any("-DFA_" in o for o in cfg.backward_unit("bfloat16", D).options)
+
+
+def test_modifier_units_carry_their_text_and_one_dropout_switch():
+    cfg = TCConfig()
+    sm, mm = _score_mods(), _mask_mods()
+    a = cfg.unit("float16", 64, ModKernel.of(_problem(sm["softcap"])))
+    b = cfg.unit("float16", 64, ModKernel.of(_problem(M.softcap(7.0))))        # another cap: the same module
+    c = cfg.unit("float16", 64, ModKernel.of(_problem(sm["alibi"])))
+    d = cfg.unit("float16", 64, ModKernel.of(_problem(sm["softcap"], dropout_p=0.1)))
+    assert a == b and a != c and a.names != d.names and len(a.names) == 1
+    assert "tanhf" in " ".join(a.options) and "-DFA_SCORE_MOD_GRAD=1" not in a.options
+    bw = cfg.backward_unit("float16", 64, ModKernel.of(_problem(sm["softcap"], mm["document"]), backward=True))
+    assert "-DFA_SCORE_MOD_GRAD=1" in bw.options and "-DFA_MASK_MOD=1" in bw.options
+    assert M.softcap(1.0).cuda_key in bw.label and mm["document"].cuda_key in bw.label
+
+
+def _declared_params(options) -> list[str]:
+    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
+    header = loader.source_text("tc_mods.cuh")
+    body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
+    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
+    for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
+        body = body.replace(name, macros.get(name, ""))
+    decls = [x.strip() for x in body.split(",") if x.strip()]
+    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).strip() for x in decls]
+
+
+C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
+PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
+          np.dtype(np.uint8): "const unsigned char*"}
+
+
+@pytest.mark.parametrize("sm_name,mm_name", [(a, b) for a in (None, *_score_mods()) for b in (None, *_mask_mods())
+                                              if (a, b) != (None, None)])
+def test_modifier_arguments_match_the_kernel_parameters(sm_name, mm_name):
+    sm = _score_mods().get(sm_name)
+    mm = _mask_mods().get(mm_name)
+    p = _problem(sm, mm, scale=-0.3)
+    for backward in (False, True):
+        types = _declared_params(ModKernel.of(p, backward).options)
+        args = modifier_args(p, 1)
+        got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in args]
+        assert got == types
+    args = modifier_args(p, 2)
+    assert args[0] == 2 and args[1] == np.float32(0.3)                 # tile batch extent, |scale|
+    sink = args[2]
+    if sm is not None and sm.sink is not None:
+        assert sink.shape == (HQ,) and np.allclose(sink, np.broadcast_to(sm.sink, (HQ,)))
+    rest = args[3:]
+    for mod in (sm, mm):                                               # each buffer, then its shape
+        for arr in (mod.buffers.values() if mod is not None else ()):
+            kind = {"b": np.uint8, "i": np.int32, "u": np.int32, "f": np.float32}[arr.dtype.kind]
+            assert rest[0].dtype == kind and np.array_equal(rest[0], arr.astype(kind))
+            assert tuple(int(n) for n in rest[1:1 + arr.ndim]) == arr.shape
+            assert rest[0].flags.c_contiguous
+            rest = rest[1 + arr.ndim:]
+    assert rest == ()
+
+
+def test_mask_modifier_tile_tables_fold_in_its_classes():
+    mm = _mask_mods()["document"]
+    p = _problem(mask_mod=mm, causal=True)
+    tiles, heads, batch = modifier_tiles(p, 32, 16)
+    ref = classify_tiles_mod(mm, B, HQ, NQ, NK, 32, 16, p.band, None)
+    assert (int(batch), int(heads)) == ref.shape[:2] == (B, 1)
+    assert tiles.shape == (B * 1, -(-NQ // 32), -(-NK // 16)) and tiles.dtype == np.int8
+    assert np.array_equal(tiles.reshape(ref.shape), ref) and (tiles == TILE_EMPTY).any()
+    plain, heads, batch = modifier_tiles(_problem(_score_mods()["alibi"], causal=True), 32, 16)
+    assert int(batch) == 1 and int(heads) == plain.shape[0] == 1
+
+
+def test_modifier_refusals_come_before_any_launch():
+    bound = get_variant("fa2-tc")
+    commented = M.ScoreMod("commented", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s // plain")
+    with pytest.raises(ValueError, match="score_mod 'commented'.*'//'"):
+        bound.check(_problem(commented), "forward")
+    wide = M.prefix_lm(np.array([2**40]))
+    with pytest.raises(ValueError, match="prefix.*int32"):
+        bound.check(_problem(mask_mod=wide), "forward")
+    forward_only = M.ScoreMod("fwd", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s")
+    bound.check(_problem(forward_only), "forward")
+    with pytest.raises(ValueError, match="no derivative"):
+        bound.check(_problem(forward_only), "backward")
+    with pytest.raises(ValueError, match="no derivative"):
+        M.cuda_defines(forward_only, None, backward=True)
+
+
+# ---- no GPU: NVRTC builds with each built-in modifier, register / spill gates (sm_90)
+
+# Forward: spill-free like the default without modifiers (214 registers at D = 64, 247 at D = 128).
+# Backward (Br = Bc = 64, 3 blocks per SM at D = 64): the default already spills 108 bytes of stores
+# without modifiers (TCConfig.BWD_AUTO); the gate holds the modifier builds under 192 bytes.
+BWD_SPILL_LIMIT = 192
+FORWARD_BUILDS = [("float16", 64, "softcap", None), ("float16", 64, "alibi", None),
+                  ("float16", 64, "relative_bias", None), ("float16", 64, "sinks", None),
+                  ("float16", 64, None, "document"), ("float16", 64, None, "prefix_lm"),
+                  ("bfloat16", 128, "softcap+sinks", "document")]
+BACKWARD_BUILDS = [("float16", 64, "softcap", "document", False), ("bfloat16", 64, "relative_bias", "prefix_lm", False),
+                   ("float16", 128, "alibi", None, False), ("float16", 64, "sinks", "document", True)]
+
+
+def _forward_unit(dtype, D, sm, mm):
+    p = _problem(_score_mods().get(sm), _mask_mods().get(mm), np.float16, D)
+    return TCConfig().unit(dtype, D, ModKernel.of(p))
+
+
+def _backward_unit(dtype, D, sm, mm, deterministic):
+    p = _problem(_score_mods().get(sm), _mask_mods().get(mm), np.float16, D)
+    return TCConfig(deterministic=deterministic).backward_unit(dtype, D, ModKernel.of(p, backward=True))
+
+
+@pytest.fixture(scope="module")
+def built():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for NVRTC builds")
+    if has_gpu():
+        pytest.skip("compile-only check (NVRTC logs are empty under pytest on the GPU image: tests/test_compile.py)")
+    units = [_forward_unit(*x) for x in FORWARD_BUILDS] + [_backward_unit(*x) for x in BACKWARD_BUILDS]
+    loader.prebuild(units, "sm_90")                            # in parallel, into the disk cache
+    return {u: loader.compile_only(u, "sm_90") for u in units}
+
+
+@pytest.mark.parametrize("build", FORWARD_BUILDS, ids=lambda x: "-".join(str(v) for v in x))
+def test_forward_builds_without_spills(built, build):
+    reports = built[_forward_unit(*build)]
+    assert len(reports) == 1
+    r = reports[0]
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
+
+
+@pytest.mark.parametrize("build", BACKWARD_BUILDS, ids=lambda x: "-".join(str(v) for v in x))
+def test_backward_builds_within_the_spill_gate(built, build):
+    reports = built[_backward_unit(*build)]
+    names = [r.name for r in reports]
+    assert any(n.startswith("fa2_tc_bwd<") for n in names) and any("rowdot" in n for n in names)
+    assert build[-1] == any(n.startswith("fa2_tc_bwd_dq<") for n in names)
+    for r in reports:
+        assert r.spill_stores <= BWD_SPILL_LIMIT and r.registers <= 255, r
+
+
+# ---- GPU: against the oracle
+
+def _combos():
+    sm, mm = _score_mods(), _mask_mods()
+    return [(sm["softcap"], None), (sm["alibi"], mm["document"]), (sm["relative_bias"], mm["prefix_lm"]),
+            (sm["sinks"], None), (sm["softcap+sinks"], mm["document"]), (None, mm["prefix_lm"])]
+
+
+def _gpu_cases(dtype):
+    """(score_mod, mask_mod, Case): every combination on awkward shapes; GQA, causal, window, dropout,
+    a negative scale and head dims padded to 64 and 128 spread over them."""
+    out = []
+    for n, (sm, mm) in enumerate(_combos()):
+        layout = np.random.default_rng(n).random((HQ, 3, 3)) < 0.7
+        extra = [{"causal": True}, {"window": (7, 3)}, {"scale": -0.4}, {"dropout_p": 0.3, "seed": 11, "offset": 2},
+                 {"causal": True}, {"block_mask": BlockSparse(layout, (32, 32))}][n]
+        d = 96 if n % 3 == 2 else 64
+        out.append(fuzz.Case(B, HQ, HKV, NQ, NK, d, dtype, dict(extra, score_mod=sm, mask_mod=mm), 10 + n))
+    return out
+
+
+def _prebuild(names, dtype):
+    """The cases' modules, built in parallel before the first launch (one NVRTC build per modifier)."""
+    units = []
+    for name in names:
+        bound = get_variant(name)
+        for case in _gpu_cases(dtype):
+            q, k, v, _ = case.inputs()
+            p = make_problem(q, k, v, **case.options)
+            D = d_pad(p.d)
+            units += [bound.config.unit(dtype, D, ModKernel.of(p)),
+                      bound.config.backward_unit(dtype, D, ModKernel.of(p, backward=True))]
+    from sandbox.device import arch
+    loader.prebuild(units, arch())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["fa2-tc", "fa2-tc-deterministic"])
+def test_modifiers_match_oracle_forward_and_backward(name, dtype):
+    _prebuild([name], dtype)
+    bound = get_variant(name)
+    for case in _gpu_cases(dtype):
+        fuzz.assert_case(bound, case, "backward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_modifiers_fuzzed_against_oracle(dtype):
+    """Hypothesis with a modifier in every case (the built-ins with random parameters, a mask modifier
+    in two thirds); head dims that pad to 64, so that the modules stay few."""
+    from hypothesis import given, settings
+    bound = get_variant("fa2-tc")
+    limits = fuzz.Limits(max_n=200, dims=(16, 40, 64))
+
+    @settings(max_examples=40, deadline=None)
+    @given(fuzz.cases(bound, dtype, limits, score_mods=fuzz.SCORE_MODS,
+                      mask_mods=(*fuzz.MASK_MODS, lambda rng, B, Hq, Nq, Nk: None)))
+    def check(case):
+        fuzz.assert_case(bound, case, "backward")
+
+    check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_attention_passes_modifiers_through_autograd(dtype):
+    """sandbox.torch.attention(score_mod=, mask_mod=) runs the same kernels as sandbox.forward /
+    sandbox.backward (checked against the oracle above): the same bits, forward and gradients."""
+    torch = pytest.importorskip("torch")
+    import sandbox
+    import sandbox.torch as st
+    sm, mm = _combos()[4]
+    q, k, v, dout = _gpu_cases(dtype)[4].inputs()
+    tdt = getattr(torch, dtype)
+    tq, tk, tv, tdo = (torch.tensor(x.astype(np.float32)).to("cuda", tdt) for x in (q, k, v, dout))
+    for x in (tq, tk, tv):
+        x.requires_grad_()
+    out = st.attention(tq, tk, tv, causal=True, score_mod=sm, mask_mod=mm, enable_gqa=True)
+    out.backward(tdo)
+    res = sandbox.forward(tq.detach(), tk.detach(), tv.detach(), causal=True, score_mod=sm, mask_mod=mm)
+    grads = sandbox.backward(tdo, res)
+    assert torch.equal(out.detach(), torch.as_tensor(res.out))
+    for got, want in zip((tq.grad, tk.grad, tv.grad), grads):
+        assert torch.equal(got, torch.as_tensor(want))
+    with torch.no_grad():                                      # no autograd node: the direct route
+        assert torch.equal(st.attention(tq, tk, tv, causal=True, score_mod=sm, mask_mod=mm, enable_gqa=True), out)
