@@ -9,8 +9,8 @@
 
 Families (DESIGN.md "Benchmarks"; each module's docstring states its method): grid, variants,
 softmax, io, memory, blocksparse, dropout, host (the per-call host cost from PyTorch and speed as a
-PyTorch user times it). Each writes <name>.md / .csv / .json (+ .png) stamped
-with the device, the commit and the date. Python API: `bench.run_family("blocksparse", out)`.
+PyTorch user times it), modifiers (score / mask modifiers over plain causal, beside FlexAttention).
+Each writes <name>.md / .csv / .json (+ .png) stamped with the device, the commit and the date. Python API: `bench.run_family("blocksparse", out)`.
 The variants and configurations each family times come from the registry (tags, capabilities,
 bench_configs, bench_sweep: sandbox/registry.py; bench/selection.py); `bench.plan()` lists them.
 """
@@ -21,7 +21,8 @@ import importlib
 from pathlib import Path
 
 FAMILIES = {"grid": "grid", "variants": "variants_table", "softmax": "softmax_bench", "io": "io_bytes",
-            "memory": "memory", "blocksparse": "blocksparse", "dropout": "dropout_bench", "host": "host_cost"}
+            "memory": "memory", "blocksparse": "blocksparse", "dropout": "dropout_bench", "host": "host_cost",
+            "modifiers": "modifiers_bench"}
 
 
 def family(name: str):

@@ -154,8 +154,13 @@ def dropout(data, path):
     _finish(plt, fig, data["meta"], "Dropout: replayed vs stored mask", path)
 
 
+def modifiers(data, path):
+    from .modifiers_bench import plot
+    plot(data, path)
+
+
 DRAW = {"grid": grid, "variants": variants, "softmax": softmax, "io": io, "memory": memory,
-        "blocksparse": blocksparse, "dropout": dropout}
+        "blocksparse": blocksparse, "dropout": dropout, "modifiers": modifiers}
 
 
 def family_jsons(folder) -> list[tuple[Path, dict, str]]:
