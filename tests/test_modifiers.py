@@ -97,7 +97,8 @@ def test_variants_without_the_capability_refuse_modifiers():
             sandbox.forward(q, k, v, variant="standard", **kw)       # no GPU here: refused before any launch
     rows = {r["name"]: r["capabilities"] for r in sandbox.variants()}
     assert rows["numba-rowwise"]["score_mod"] and rows["numba-rowwise"]["mask_mod"]
-    assert not rows["standard"]["score_mod"] and not rows["fa2-tc"]["mask_mod"]
+    assert not rows["standard"]["score_mod"] and not rows["fa2-tc-naive"]["mask_mod"]
+    assert rows["fa2-tc"]["score_mod"] and rows["fa2-tc"]["mask_mod"]         # compiled in (tests/test_modifiers_tc.py)
 
 
 def test_forward_only_modifier_refuses_the_backward():

@@ -225,26 +225,41 @@ def _gpu_cases(dtype):
     return out
 
 
-def _prebuild(names, dtype):
-    """The cases' modules, built in parallel before the first launch (one NVRTC build per modifier)."""
-    units = []
-    for name in names:
-        bound = get_variant(name)
-        for case in _gpu_cases(dtype):
-            q, k, v, _ = case.inputs()
-            p = make_problem(q, k, v, **case.options)
-            D = d_pad(p.d)
-            units += [bound.config.unit(dtype, D, ModKernel.of(p)),
-                      bound.config.backward_unit(dtype, D, ModKernel.of(p, backward=True))]
+def _prebuild(name, dtype, problems):
+    """The problems' modules (forward and backward), built in parallel before the first launch: one
+    NVRTC build per modifier text, dropout switch, dtype and padded head dim, however many cases share it."""
     from sandbox.device import arch
-    loader.prebuild(units, arch())
+    config = get_variant(name).config
+    units = {}
+    for p in problems:
+        D = d_pad(p.d)
+        for u in (config.unit(dtype, D, ModKernel.of(p)), config.backward_unit(dtype, D, ModKernel.of(p, backward=True))):
+            units.setdefault(u, None)
+    loader.prebuild(list(units), arch())
+
+
+def _case_problems(dtype):
+    out = []
+    for case in _gpu_cases(dtype):
+        q, k, v, _ = case.inputs()
+        out.append(make_problem(q, k, v, **case.options))
+    return out
+
+
+def _fuzz_problems(score_mods, mask_mods, d=64):
+    """One problem per (score modifier factory, mask modifier factory, dropout on / off): the modules
+    the fuzzer can draw at head dims that pad to d (a factory's random parameters are buffers, not text)."""
+    rng = np.random.default_rng(0)
+    q = np.zeros((1, 2, 8, d), np.float16)
+    return [make_problem(q, q, q, dropout_p=drop, score_mod=sf(rng, 1, 2, 8, 8), mask_mod=mf(rng, 1, 2, 8, 8))
+            for sf in score_mods for mf in mask_mods for drop in (0.0, 0.5)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", ["fa2-tc", "fa2-tc-deterministic"])
 def test_modifiers_match_oracle_forward_and_backward(name, dtype):
-    _prebuild([name], dtype)
+    _prebuild(name, dtype, _case_problems(dtype))
     bound = get_variant(name)
     for case in _gpu_cases(dtype):
         fuzz.assert_case(bound, case, "backward")
@@ -258,10 +273,11 @@ def test_modifiers_fuzzed_against_oracle(dtype):
     from hypothesis import given, settings
     bound = get_variant("fa2-tc")
     limits = fuzz.Limits(max_n=200, dims=(16, 40, 64))
+    mask_mods = (*fuzz.MASK_MODS, lambda rng, B, Hq, Nq, Nk: None)
+    _prebuild("fa2-tc", dtype, _fuzz_problems(fuzz.SCORE_MODS, mask_mods))
 
     @settings(max_examples=40, deadline=None)
-    @given(fuzz.cases(bound, dtype, limits, score_mods=fuzz.SCORE_MODS,
-                      mask_mods=(*fuzz.MASK_MODS, lambda rng, B, Hq, Nq, Nk: None)))
+    @given(fuzz.cases(bound, dtype, limits, score_mods=fuzz.SCORE_MODS, mask_mods=mask_mods))
     def check(case):
         fuzz.assert_case(bound, case, "backward")
 
