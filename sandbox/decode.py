@@ -181,11 +181,17 @@ def kernel_names(dtype: str, d: int) -> tuple:
     return tuple(f"decode_splitkv<{t}, {d}, {r}>" for r in ROW_TILES) + (f"decode_merge<{t}, {d}>",)
 
 
-def compile_units() -> list:
-    """Every kernel instantiation, one unit per dtype (the compile report builds each name alone)."""
+def compile_unit(dtype: str, d: int):
+    """The module of one dtype and head dim: its three row tiles and its merge (a run compiles only
+    the head dims it uses)."""
     from .launch import cuda_options
-    return [loader.CompileUnit("decode_splitkv.cu", tuple(n for d in KERNEL_HEAD_DIMS for n in kernel_names(dt, d)),
-                               cuda_options(), label=f"decode-splitkv[{dt}]") for dt in KERNEL_CTYPE]
+    return loader.CompileUnit("decode_splitkv.cu", kernel_names(dtype, d), cuda_options(),
+                              label=f"decode-splitkv[{dtype}, D={d}]")
+
+
+def compile_units() -> list:
+    """Every kernel instantiation (the compile gate builds each name alone)."""
+    return [compile_unit(dt, d) for dt in KERNEL_CTYPE for d in KERNEL_HEAD_DIMS]
 
 
 def kernel_refusal(dtype: str, d: int, Nq: int) -> str | None:
@@ -253,7 +259,7 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     rows = (Hq // Hkv) * Nq
     tile = row_tile(rows)
     S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits)
-    unit = compile_units()[list(KERNEL_CTYPE).index(dtype)]
+    unit = compile_unit(dtype, d)
     paged = block_table is not None
     if paged:
         page_size = k.shape[2]

@@ -262,7 +262,8 @@ def test_sanitizer_cases_cover_every_cuda_variant():
         if v.backend != "cuda":
             continue
         mine = [c for c in cases if c[0].partition(":")[0] == name]
-        assert (name, 40, v.caps.backward) in mine
+        small = 40 if 40 in v.caps.head_dims else min(v.caps.head_dims)   # as sanitizer_cases picks it
+        assert (name, small, v.caps.backward) in mine
         assert ((name, 128, True) in mine) == v.caps.backward
         assert len(mine) >= 1 + len(v.bench_configs)
 

@@ -1,0 +1,203 @@
+"""The split-KV decoding kernel (kernels_cu/decode_splitkv.cu) on the GPU against the float64 oracle:
+sandbox.decode's kernel path (contiguous and paged caches, GQA, Nq 1-16, page sizes 16-256, ragged
+cache lengths with empty sequences, appended keys, causal and windows, long caches), the registered
+variant through sandbox.forward, flash_attn_with_kvcache on torch tensors, results on a busy caller
+stream, and the refusals that only device arrays reach. Marked `gpu` (skipped without a GPU)."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from sandbox import decode, oracle, tolerance
+from sandbox.precision import numpy_dtype
+
+pytestmark = pytest.mark.gpu
+
+
+def _make(B, Hq, Hkv, Nq, d, dtype, lens, nnew, paged, page_size, seed):
+    """(q, k_new, v_new, k_cache, v_cache, table, full_k, full_v) as NumPy: each sequence's keys in
+    full_k / full_v (the reference), the cache holding lens[b] of them, NaN past them (never read)."""
+    rng = np.random.default_rng(seed)
+    npdt = numpy_dtype(dtype)
+    room = max(lens) + nnew
+    f = lambda *s: rng.standard_normal(s).astype(np.float32).astype(npdt)  # noqa: E731
+    full_k, full_v = f(B, Hkv, max(room, 1), d), f(B, Hkv, max(room, 1), d)
+    q = f(B, Hq, Nq, d)
+    k_new = np.stack([full_k[b, :, n:n + nnew] for b, n in enumerate(lens)]) if nnew else None
+    v_new = np.stack([full_v[b, :, n:n + nnew] for b, n in enumerate(lens)]) if nnew else None
+    if not paged:
+        kc = np.full((B, Hkv, max(room, 1), d), np.nan, npdt)
+        vc = kc.copy()
+        for b, n in enumerate(lens):
+            kc[b, :, :n], vc[b, :, :n] = full_k[b, :, :n], full_v[b, :, :n]
+        return q, k_new, v_new, kc, vc, None, full_k, full_v
+    per_seq = -(-max(room, 1) // page_size)
+    table = rng.permutation(B * per_seq + 3).astype(np.int32)[:B * per_seq].reshape(B, per_seq)
+    kc = np.full((B * per_seq + 3, Hkv, page_size, d), np.nan, npdt)
+    vc = kc.copy()
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            kc[table[b, pos // page_size], :, pos % page_size] = full_k[b, :, pos]
+            vc[table[b, pos // page_size], :, pos % page_size] = full_v[b, :, pos]
+    return q, k_new, v_new, kc, vc, table, full_k, full_v
+
+
+def _check(out, lse, q, full_k, full_v, lens, nnew, dtype, causal, window):
+    out, lse = np.asarray(out).astype(np.float32), np.asarray(lse)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    for b, n in enumerate(lens):
+        L = n + nnew
+        if L == 0:                                   # no keys at all: dead rows
+            assert not out[b].any() and np.isneginf(lse[b]).all()
+            continue
+        ref_o, ref_l = oracle.forward(q[b:b + 1], full_k[b:b + 1, :, :L], full_v[b:b + 1, :, :L], causal=causal,
+                                      window=window)
+        for name, got, ref in (("out", out[b:b + 1], ref_o), ("lse", lse[b:b + 1], ref_l)):
+            v = tolerance.compare(name, got, ref, dtype)
+            assert v.ok, f"sequence {b} (L={L}): {v}"
+
+
+def _run_cupy(case, num_splits=None):
+    import cupy as cp
+    (B, Hq, Hkv, Nq, d, dtype, lens, nnew, paged, page_size, causal, window, seed) = case
+    q, k_new, v_new, kc, vc, table, full_k, full_v = _make(B, Hq, Hkv, Nq, d, dtype, lens, nnew, paged, page_size,
+                                                           seed)
+    dev = lambda x: None if x is None else cp.asarray(x)  # noqa: E731
+    kcd, vcd = dev(kc), dev(vc)
+    out, lse = decode.forward(dev(q), kcd, vcd, lens, block_table=table, k_new=dev(k_new), v_new=dev(v_new),
+                              causal=causal, window=window, num_splits=num_splits)
+    assert isinstance(out, cp.ndarray) and out.dtype == q.dtype and lse.dtype == np.float32
+    _check(out.get(), lse.get(), q, full_k, full_v, lens, nnew, dtype, causal, window)
+
+
+@st.composite
+def cases(draw):
+    B = draw(st.integers(1, 4))
+    Hkv = draw(st.sampled_from([1, 2, 4]))
+    Hq = Hkv * draw(st.sampled_from([1, 2, 4, 8]))
+    Nq = draw(st.integers(1, 16))
+    d = draw(st.sampled_from([64, 128, 128, 256]))
+    dtype = draw(st.sampled_from(["float16", "bfloat16"]))
+    lens = draw(st.lists(st.integers(0, 2000), min_size=B, max_size=B))
+    nnew = draw(st.integers(0, 2))
+    paged = draw(st.booleans())
+    page_size = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 600)),
+                                                 st.one_of(st.none(), st.integers(0, 4)))))
+    return (B, Hq, Hkv, Nq, d, dtype, lens, nnew, paged, page_size, causal, window, draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+@example((3, 8, 2, 1, 128, "float16", [0, 1, 1500], 1, True, 16, True, None, 1))        # empty cache + 1 new key
+@example((2, 32, 8, 16, 128, "bfloat16", [700, 3], 0, False, 64, True, None, 2))        # 64 rows: 4 tiles of 16
+@example((1, 4, 1, 3, 64, "float16", [5], 0, True, 256, True, None, 3))                  # Nq > L: dead rows
+def test_kernel_matches_the_oracle(case):
+    _run_cupy(case)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("nq,dtype", [(1, "float16"), (4, "bfloat16")])
+def test_long_caches(paged, nq, dtype):
+    """65536 keys (and a ragged partner): many splits, merged; causal with 4 rows."""
+    _run_cupy((2, 8, 2, nq, 128, dtype, [65536, 40000], 0, paged, 256, nq > 1, None, 7))
+
+
+def test_num_splits_caps_the_plan_and_one_split_is_exact():
+    for s in (1, 3):
+        _run_cupy((2, 8, 2, 2, 64, "float16", [3000, 17], 1, True, 32, True, (100, None), 8), num_splits=s)
+
+
+def test_nan_in_q_reaches_only_its_row():
+    import cupy as cp
+    q, _, _, kc, vc, table, _, _ = _make(2, 4, 2, 1, 64, "float16", [300, 40], 0, True, 16, 9)
+    q[1, 3, 0, 5] = np.nan
+    out, lse = decode.forward(cp.asarray(q), cp.asarray(kc), cp.asarray(vc), [300, 40], block_table=table)
+    out, lse = out.get().astype(np.float32), lse.get()
+    assert np.isnan(out[1, 3]).all() and np.isnan(lse[1, 3])
+    assert np.isfinite(out[0]).all() and np.isfinite(lse[:, :3]).all()
+
+
+@pytest.mark.parametrize("window", [None, (30, 0), (None, 2)])
+def test_registered_variant_through_the_public_api(window):
+    """decode-splitkv through sandbox.forward: contiguous K/V, Nk keys per sequence, GQA 4."""
+    import cupy as cp
+    import sandbox
+    rng = np.random.default_rng(10)
+    q = rng.standard_normal((2, 8, 5, 128)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 2, 999, 128)).astype(np.float16) for _ in range(2))
+    res = sandbox.forward(cp.asarray(q), cp.asarray(k), cp.asarray(v), variant="decode-splitkv", causal=True,
+                          window=window)
+    ref_o, ref_l = oracle.forward(q, k, v, causal=True, window=window)
+    assert tolerance.compare("out", res.out.get(), ref_o, "float16").ok
+    assert tolerance.compare("lse", res.lse.get(), ref_l, "float16").ok
+
+
+def test_flash_attn_with_kvcache_on_torch_tensors():
+    """flash-attn's layout (B, N, H, d), paged, bf16, two appended keys; the result is a torch tensor
+    on the caller's device."""
+    torch = pytest.importorskip("torch")
+    from sandbox.flash_attn import flash_attn_with_kvcache
+    lens, page = [100, 1000], 64
+    q, k_new, v_new, kc, vc, table, full_k, full_v = _make(2, 16, 4, 2, 128, "bfloat16", lens, 2, True, page, 11)
+    t = lambda x: torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()  # noqa: E731
+    tr = lambda x: t(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))  # noqa: E731  (B, H, N, d) -> (B, N, H, d)
+    kcache, vcache = tr(kc), tr(vc)
+    out, lse = flash_attn_with_kvcache(tr(q), kcache, vcache, tr(k_new), tr(v_new), cache_seqlens=lens,
+                                       block_table=torch.from_numpy(table), causal=True, return_softmax_lse=True)
+    assert out.is_cuda and out.dtype == torch.bfloat16 and out.shape == (2, 2, 16, 128)
+    got = out.transpose(1, 2).float().cpu().numpy()
+    _check(got, lse.cpu().numpy(), q, full_k, full_v, lens, 2, "bfloat16", True, None)
+    pos = lens[1]                                              # the append wrote in place, in the caller's cache
+    written = kcache[table[1, pos // page], pos % page].float().cpu().numpy()
+    np.testing.assert_array_equal(written, k_new[1, :, 0].astype(np.float32))
+
+
+def test_busy_caller_stream_cupy():
+    """Inputs written on the caller's stream behind queued work: the kernel runs after them (same
+    stream), and nothing in the call waits for the device."""
+    import cupy as cp
+    q, _, _, kc, vc, table, full_k, full_v = _make(2, 8, 2, 1, 128, "float16", [5000, 300], 0, True, 64, 12)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        qd, kd, vd = cp.zeros(q.shape, q.dtype), cp.asarray(kc), cp.asarray(vc)
+        big = cp.random.standard_normal((4096, 4096), dtype=cp.float32)
+        for _ in range(20):
+            big = big @ big / 64.0                             # tens of ms of queued work
+        qd[...] = cp.asarray(q)                                # written after the queued work
+        out, lse = decode.forward(qd, kd, vd, [5000, 300], block_table=table)
+    s.synchronize()
+    _check(out.get(), lse.get(), q, full_k, full_v, [5000, 300], 0, "float16", False, None)
+
+
+def test_busy_caller_stream_torch():
+    torch = pytest.importorskip("torch")
+    q, _, _, kc, vc, _, full_k, full_v = _make(2, 8, 2, 3, 64, "float16", [4000, 4000], 0, False, 64, 13)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        kd, vd = torch.from_numpy(kc).cuda(), torch.from_numpy(vc).cuda()
+        qd = torch.zeros(q.shape, dtype=torch.float16, device="cuda")
+        torch.cuda._sleep(50_000_000)                          # queued work on the caller's stream
+        qd.copy_(torch.from_numpy(q).cuda())
+        out, lse = decode.forward(qd, kd, vd, [4000, 4000], causal=True)
+    s.synchronize()
+    assert isinstance(out, torch.Tensor) and out.device.type == "cuda"
+    _check(out.cpu().numpy(), lse.cpu().numpy(), q, full_k, full_v, [4000, 4000], 0, "float16", True, None)
+
+
+def test_device_refusals_leave_the_cache_untouched():
+    import cupy as cp
+    q, k_new, v_new, kc, vc, _, _, _ = _make(1, 4, 2, 1, 64, "float16", [10], 1, False, 16, 14)
+    wide = cp.zeros((1, 2, kc.shape[2], 72), dtype=cp.float16)
+    wide[..., 4:68] = cp.asarray(kc)
+    misaligned = wide[..., 4:68]                               # rows start 8 bytes off a 16-byte boundary
+    before = wide.copy()
+    with pytest.raises(ValueError, match="16-byte"):
+        decode.forward(cp.asarray(q), misaligned, misaligned.copy(), [10], k_new=cp.asarray(k_new),
+                       v_new=cp.asarray(v_new))
+    assert bool(cp.array_equal(wide, before, equal_nan=True))
+    with pytest.raises(ValueError, match="page_size=24"):
+        pages = cp.zeros((4, 2, 24, 64), dtype=cp.float16)
+        decode.forward(cp.asarray(q), pages, pages.copy(), [10], block_table=[[0, 1]], k_new=cp.asarray(k_new),
+                       v_new=cp.asarray(v_new))
