@@ -36,15 +36,17 @@
 //       split with no key writes lse = -inf, O = 0.
 //   decode_merge<T, D>   grid (B * Hq * Nq), 128 threads: merges the S partials of each row into
 //       out (caller dtype, [B, Hq, Nq, D] contiguous) and lse (fp32, natural log).
-// Envelope: T __half / __nv_bfloat16; D in {64, 128, 256}; ROWS in {4, 8, 16}; paged pages of
-// 2**page_shift keys (any power of two; the host allows 16..256... see sandbox/decode.py); keys
-// per sequence < 2**31. Page indices are clamped to [0, num_pages) in the kernel (the host checks
+// Envelope: T __half / __nv_bfloat16; D in {64, 128, 256}; ROWS in {4, 8, 16} (UNROLL 4, 2, 1:
+// what fits in 255 registers without spills); pages of 2**page_shift keys (the host takes powers
+// of two up to 2**20, sandbox/decode.py); keys per sequence < 2**29 (host check). Page indices are clamped to [0, num_pages) in the kernel (the host checks
 // every page in use beforehand, so the clamp only turns a corrupted table into wrong numbers, never
 // into an illegal access). NaN: a NaN score makes its rows' out and lse NaN (fmaxf drops NaN from the
 // running max, exp2 of it is NaN in l); dead rows (no visible key) give out 0, lse -inf.
 //
-// Status: compiled and resource-checked on the CPU (sandbox compile-report); GPU validation and
-// speed (bench family `decode`, bench/decode_bench.py) pending on the lead's H100 run.
+// Resources (NVRTC, sm_90): ROWS = 4: 168 registers (3 blocks / SM), ROWS = 8: 246-254, ROWS = 16:
+// 247-253 (q in shared memory), no spills; merge: 32 registers.
+// Status: compiled and resource-checked on the CPU only; not yet run on a GPU: correctness
+// (tests/test_decode_gpu.py) and speed (bench family `decode`, bench/decode_bench.py) pending.
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
@@ -80,7 +82,7 @@ template <int D, int ROWS>
 struct DecodeShape {
     static constexpr int LANES_PER_KEY = D / 8;                     // 16-byte vectors per key row
     static constexpr int KEYS_PER_STEP = 32 / LANES_PER_KEY;        // keys a warp covers per load
-    static constexpr int UNROLL = ROWS <= 4 ? 4 : (ROWS == 16 && D == 256 ? 1 : 2);   // K and V load steps in flight
+    static constexpr int UNROLL = ROWS <= 4 ? 4 : (ROWS == 8 ? 2 : 1);   // K and V load steps in flight (registers)
     static constexpr int KEYS_PER_ITER = DEC_WARPS * KEYS_PER_STEP * UNROLL;
     static constexpr bool Q_IN_SMEM = ROWS > 8;                     // registers: ROWS * 8 q + ROWS * 8 acc
     static_assert(D == 64 || D == 128 || D == 256, "head dim D must be 64, 128 or 256");

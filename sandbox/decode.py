@@ -140,7 +140,7 @@ DEFAULT_SM_COUNT = 132            # an H100 SXM's, for planning without a GPU
 def keys_per_iter(d: int, rows: int) -> int:
     """Keys one block consumes per loop iteration (DecodeShape::KEYS_PER_ITER): 4 warps x
     32 / (d / 8) keys per step x UNROLL steps."""
-    unroll = 4 if rows <= 4 else (1 if rows == 16 and d == 256 else 2)
+    unroll = 4 if rows <= 4 else (2 if rows == 8 else 1)
     return WARPS * (32 // (d // 8)) * unroll
 
 

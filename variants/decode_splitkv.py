@@ -40,7 +40,9 @@ class DecodeSplitKV:
         return decode.compile_units()
 
     def tuned(self, config, unit=None):
-        return True
+        """Held to no spills: every unit but head dim 256, whose ROWS = 16 kernel spills 16-72 bytes
+        on sm_80 (none on sm_90; compile report of 2026-11-23)."""
+        return unit is None or not unit.label.endswith("D=256]")
 
     def check(self, problem, config, direction):
         if problem.Nq > decode.KERNEL_MAX_NQ:
