@@ -14,11 +14,13 @@
 //       WG warpgroups each own 64 rows of the Br = 64 WG row tile and every key of a Bc tile. Q, K, V
 //       tiles in the 128-byte-swizzled panels of hopper.cuh (D / 64 panels of [rows][64]).
 //       One block per SM by construction (__launch_bounds__(threads, 1)): Bc = 128 keeps 64 S and
-//       D / 2 O accumulators per thread.
+//       D / 2 O accumulators per thread. Wide heads take FA3's smaller key tiles (variants/fa3_wgmma.py
+//       AUTO_BC): D = 192, Bc = 112 (96 O + 56 S + 28 P registers); D = 256, Bc = 80 (128 + 40 + 20).
 // Masks, dropout, GQA, dead rows, any Nq / Nk: as fa2_tc.cu (the host's tile table, the band, the
 // element predicate in partial tiles, the contract's Philox counters).
-// Envelope (static_asserts; ValueError in variants/fa3_wgmma.py): D in {64, 128} (d <= D, a multiple of 8,
-// zero-filled), Bc in {64, 128, 192}, WG in {1, 2, 3}; an sm_90 GPU (the sm_90a target).
+// Envelope (static_asserts; ValueError in variants/fa3_wgmma.py): D in {64, 128, 192, 256} (d <= D, a
+// multiple of 8, zero-filled), Bc in {64, 80, 112, 128, 192}, WG in {1, 2, 3}, shared memory and (D > 128)
+// registers checked on the host; an sm_90 GPU (the sm_90a target).
 #include "tc_softmax.cuh"
 #include "hopper.cuh"
 
@@ -37,8 +39,8 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
                   MASK_PARAMS, DROPOUT_PARAMS) {
     constexpr int THREADS = WG * 128, BR = WG * 64;
     constexpr int NT = BC / 8, ND = D / 8;
-    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
-    static_assert(BC == 64 || BC == 128 || BC == 192, "wgmma n = Bc");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dim padded to 64, 128, 192 or 256");
+    static_assert(BC == 64 || BC == 80 || BC == 112 || BC == 128 || BC == 192, "wgmma n = Bc");
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // panels must sit on 1024-byte boundaries (the swizzle pattern repeats every 8 rows of 128 bytes);
     // the host adds 1024 bytes of slack

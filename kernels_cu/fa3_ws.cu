@@ -27,7 +27,10 @@
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
 // Masks, dropout, GQA, dead rows: as fa2_tc.cu (the host's tile table and band bound the tile loop of
 // producer and consumers alike; the element predicate runs in partial tiles).
-// Envelope: D in {64, 128}, BC in {64, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; sm_90a.
+// Envelope: D in {64, 128, 192, 256}, BC in {64, 80, 112, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; shared
+// memory and (D > 128) registers checked on the host (variants/fa3_ws.py). D = 256 runs FA3's tile: Br = 128
+// (NC = 2, 240 registers per consumer thread, O alone 128), Bc = 80, STAGES = 2: 64 KB of Q and 160 KB of
+// K / V slots; D = 192: Bc = 112, 48 + 168 KB.
 #include "tc_softmax.cuh"
 #include "hopper.cuh"
 
@@ -56,8 +59,8 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
     constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;          // bytes of one 64-column panel
     constexpr unsigned Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
-    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
-    static_assert(BC == 64 || BC == 128, "wgmma n = Bc");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dim padded to 64, 128, 192 or 256");
+    static_assert(BC == 64 || BC == 80 || BC == 112 || BC == 128, "wgmma n = Bc");
     static_assert(NC >= 1 && NC <= 3 && (STAGES == 2 || STAGES == 3), "consumers, ring slots");
     static_assert(!PINGPONG || (NC == 2 && OVERLAP), "ping-pong: two consumer warpgroups, overlapped loop");
     extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -54,23 +54,44 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[NT][4]) {
 
 // Rows [row0, row0 + ROWS) of a [N, d] 16-bit matrix (row stride srow, unit stride along d) into
 // the panelled, swizzled [ROWS][D] tile at `dst`, asynchronously; rows >= N and chunks >= d / 8 are
-// zero-filled. Thread i copies chunk column i % (D / 8) of every (THREADS / (D / 8))-th row, so its
-// row % 8, hence its swizzled offset, is the same in every step.
+// zero-filled. Where THREADS is a multiple of 8 D / 8 (D = 64, 128; D = 256 with 256 threads), thread i
+// copies chunk column i % (D / 8) of every (THREADS / (D / 8))-th row; otherwise (D = 192, or D = 256 with
+// 128 threads) the copy goes panel by panel, thread i taking chunk i % 8 of every (THREADS / 8)-th row of
+// each. Either way a thread's row % 8, hence its swizzled offset, is the same in every step.
 template <int ROWS, int D, int THREADS, typename T>
 __device__ __forceinline__ void load_panels_async(unsigned dst, const T* __restrict__ src, long long srow,
                                                   int row0, int N, int dchunks) {
-    constexpr int CH = D / 8, STEP = THREADS / CH;
-    static_assert(D % 64 == 0 && THREADS % CH == 0 && STEP % 8 == 0, "one chunk column and row % 8 per thread");
-    const int c = threadIdx.x % CH, r = threadIdx.x / CH;
-    const bool col_in = c < dchunks;
-    const T* g = src + (long long)(row0 + r) * srow + c * 8;
-    const unsigned s = dst + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4);
+    constexpr int CH = D / 8;
+    static_assert(D % 64 == 0 && THREADS % 64 == 0, "64-column panels, 8 chunk columns each");
+    if constexpr (THREADS % CH == 0 && (THREADS / CH) % 8 == 0) {
+        constexpr int STEP = THREADS / CH;
+        const int c = threadIdx.x % CH, r = threadIdx.x / CH;
+        const bool col_in = c < dchunks;
+        const T* g = src + (long long)(row0 + r) * srow + c * 8;
+        const unsigned s = dst + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r % 8)) << 4);
 #pragma unroll
-    for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
-        if (ROWS % STEP != 0 && r + it * STEP >= ROWS) break;
-        const bool in = col_in && row0 + r + it * STEP < N;
-        cp_async_16(s + it * STEP * 128, in ? g : src, in ? 16 : 0);
-        g += STEP * srow;
+        for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+            if (ROWS % STEP != 0 && r + it * STEP >= ROWS) break;
+            const bool in = col_in && row0 + r + it * STEP < N;
+            cp_async_16(s + it * STEP * 128, in ? g : src, in ? 16 : 0);
+            g += STEP * srow;
+        }
+    } else {
+        constexpr int STEP = THREADS / 8;
+        const int c = threadIdx.x % 8, r = threadIdx.x / 8;
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) {
+            const bool col_in = p * 8 + c < dchunks;
+            const T* g = src + (long long)(row0 + r) * srow + p * 64 + c * 8;
+            const unsigned s = dst + p * ROWS * 128 + r * 128 + ((c ^ (r % 8)) << 4);
+#pragma unroll
+            for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+                if (ROWS % STEP != 0 && r + it * STEP >= ROWS) break;
+                const bool in = col_in && row0 + r + it * STEP < N;
+                cp_async_16(s + it * STEP * 128, in ? g : src, in ? 16 : 0);
+                g += STEP * srow;
+            }
+        }
     }
 }
 

@@ -84,3 +84,180 @@ def test_packed_launch_carries_structs_by_value():
                                                      np.int32(7)))
     assert bytes(launch.holders[0]) == bytes(range(128)) and ctypes.sizeof(launch.holders[1]) == 128
     assert launch.holders[2].value == 7 and not launch.cupy_path
+
+
+# ---- head dims past 128 (forward only): padding, tiles, envelopes, the backward's refusal
+
+WIDE_RUNGS = ("fa3-wgmma", "fa3-ws", "fa3")
+
+
+def _problem(d):
+    q = np.zeros((1, 4, 16, d), np.float16)
+    k = np.zeros((1, 2, 16, d), np.float16)
+    return sandbox.problem.make_problem(q, k, k)
+
+
+def test_head_dims_pad_to_the_kernels_and_pick_fa3s_key_tiles():
+    from variants.fa3_wgmma import AUTO_BC, d_pad
+    assert [d_pad(d) for d in (8, 64, 72, 96, 128, 136, 192, 200, 256)] == [64, 64, 128, 128, 128, 192, 192, 256, 256]
+    assert AUTO_BC == {64: 128, 128: 128, 192: 112, 256: 80}
+    for name in WIDE_RUNGS:
+        cfg = sandbox.get_variant(name).config
+        assert cfg.block_c == "auto" and cfg.block_r == 128
+        # the former default block_c=128 is what auto builds at D <= 128: the same kernels
+        assert [cfg.bc(D) for D in (64, 128, 192, 256)] == [128, 128, 112, 80]
+        assert cfg.forward_name("float16", 128, False) == sandbox.get_variant(name, block_c=128).config.forward_name(
+            "float16", 128, False)
+        assert ", 256, 80, 2," in cfg.forward_name("bfloat16", 256, True)
+        assert list(sandbox.get_variant(name).variant.caps.head_dims) == list(range(8, 257, 8))
+
+
+def test_wide_default_tiles_fit_shared_memory():
+    """D = 256: Q 64 KB beside two ring slots of K and V (4 x 40 KB) for the TMA rungs; fa3-wgmma's single
+    K and V tiles. All under the 227 KB per block."""
+    from variants.fa3_wgmma import SMEM_LIMIT
+    ws = sandbox.get_variant("fa3").config
+    assert ws.forward_smem(256) == 2 * 256 * (128 + 2 * 2 * 80) + 8 * 9 + 1024 <= SMEM_LIMIT
+    assert ws.forward_smem(192) == 2 * 192 * (128 + 2 * 2 * 112) + 8 * 9 + 1024 <= SMEM_LIMIT
+    assert sandbox.get_variant("fa3-wgmma").config.forward_smem(256) == 2 * 256 * (128 + 2 * 80) + 1024
+    for name in WIDE_RUNGS:
+        for d in (96, 136, 192, 200, 256):
+            sandbox.get_variant(name).check(_problem(d), "forward")
+
+
+@pytest.mark.parametrize("name,params,match", [
+    ("fa3", {"stages": 3}, "shared memory"),                       # 3 ring slots of 40 KB K and V: 294 KB
+    ("fa3-ws", {"block_c": 128}, "shared memory"),
+    ("fa3", {"consumers": 3, "block_c": 64}, "registers"),         # O alone is 128 of a consumer's 160
+    ("fa3-wgmma", {"warpgroups": 3}, "registers"),                  # 384 threads: 168 registers each
+    ("fa3-wgmma", {"block_c": 192}, "registers"),
+])
+def test_wide_envelopes_refuse_what_cannot_fit(name, params, match):
+    bound = sandbox.get_variant(name, **params)
+    with pytest.raises(ValueError, match=match):
+        bound.check(_problem(256), "forward")
+    bound.check(_problem(128), "forward")      # the same config runs at d = 128
+
+
+@pytest.mark.parametrize("name", WIDE_RUNGS)
+@pytest.mark.parametrize("bwd_kernel", ["mma", "wgmma"])
+def test_backward_refused_past_128_naming_the_head_dim(name, bwd_kernel):
+    bound = sandbox.get_variant(name, bwd_kernel=bwd_kernel)
+    for d in (136, 192, 256):
+        bound.check(_problem(d), "forward")
+        for direction in ("backward", "both"):
+            with pytest.raises(ValueError, match=rf"backward at head dim {d}.*d = 128"):
+                bound.check(_problem(d), direction)
+    bound.check(_problem(128), "backward")
+    # a direct call is refused too, before any launch
+    with pytest.raises(ValueError, match="backward at head dim 256"):
+        bound.variant.impl.backward(_problem(256), None, None, None, None, None, None, bound.config)
+    with pytest.raises(ValueError, match="backward at head dim 200"):
+        bound.variant.impl.backward_plan(_problem(200), bound.config, {})
+
+
+def test_wide_units_are_compiled_by_the_gate():
+    """The defaults (tuned) build D = 192 and 256 beside 64 and 128, for both dtypes; fa3's ping-pong too."""
+    from sandbox import compile_report
+    got = {}
+    for name in WIDE_RUNGS:
+        v = sandbox.registry.all_variants()[name]
+        for bound in compile_report.configs(v, gate=True):
+            assert v.impl.tuned(bound.config)
+            for unit in v.impl.compile_units(bound.config):
+                got.setdefault(name, set()).update(unit.names)
+    for name, source in (("fa3-wgmma", "fa3_wgmma_forward"), ("fa3-ws", "fa3_ws_forward"), ("fa3", "fa3_ws_forward")):
+        for ct in ("__half", "__nv_bfloat16"):
+            for D, bc in ((192, 112), (256, 80)):
+                assert any(n.startswith(f"{source}<{ct}, {D}, {bc}, 2,") for n in got[name]), (name, ct, D)
+    assert any(", true, true, 10," in n and ", 256, 80," in n for n in got["fa3"])     # ping-pong at D = 256
+
+
+def test_bench_grid_times_the_hopper_rungs_at_d_256():
+    from bench import grid, selection
+    specs = [s for s, _ in grid.selection_for("float16", 256, ("forward",))]
+    names = {s.partition(":")[0] for s in specs}
+    assert {"fa3-wgmma", "fa3-ws", "fa3"} <= names
+    assert all(sandbox.registry.all_variants()[n].caps.head_dims[-1] >= 256 for n in names)
+    assert not [s for s in selection.ladder("float16", 256, "backward") if s.partition(":")[0] in WIDE_RUNGS
+                and _backward_ok(s, 256)]
+
+
+def _backward_ok(spec, d):
+    from bench.common import parse_variant
+    _, bound = parse_variant(spec)[:2]
+    try:
+        bound.check(_problem(d), "backward")
+        return True
+    except ValueError:
+        return False
+
+
+# The sm_90a kernels of the wide head dims: built here (NVRTC on the CPU, the disk cache), held to no spills
+# and their shared memory; one dtype (the gate builds both).
+WIDE_KERNELS = [(name, D) for name in WIDE_RUNGS for D in (192, 256)]
+
+
+@pytest.mark.parametrize("name,D", WIDE_KERNELS)
+def test_wide_kernels_compile_without_spills(name, D):
+    from sandbox import compile_report
+    pytest.importorskip("cuda.bindings.nvrtc")
+    bound = sandbox.get_variant(name)
+    unit = bound.config.unit("float16", D)
+    (build,) = loader.build_many([(unit, "sm_90")], 1)
+    assert build is not None, f"{unit.label} failed to compile"
+    for r, kname in zip(loader.reports(unit, build), unit.names):
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (kname, r)
+        assert r.static_smem + unit.dynamic_smem[kname] <= compile_report.SMEM_LIMIT["sm_90"], (kname, r)
+
+
+# ---- GPU: the wide head dims against the oracle (pytest -m gpu on an H100 / H200)
+
+def _wide_cases(dtype, d):
+    """Non-causal and causal (dead rows: Nq > Nk), GQA, dropout on the Philox contract, a window, block-sparse,
+    a negative scale, ragged Nq / Nk (1, past the 80 and 112 key tiles, past the 128-row query tile)."""
+    from sandbox import fuzz
+    from sandbox.masks import BlockSparse
+    return [
+        fuzz.Case(1, 2, 2, 1, 1, d, dtype, {}, 0),
+        fuzz.Case(2, 2, 2, 130, 177, d, dtype, {}, 1, logit_scale=4.0),
+        fuzz.Case(1, 4, 2, 200, 161, d, dtype, {"causal": True}, 2),                       # GQA, dead rows
+        fuzz.Case(1, 4, 1, 257, 300, d, dtype, {"causal": True, "dropout_p": 0.3, "seed": 2**40 + 5, "offset": 7}, 3),
+        fuzz.Case(1, 2, 2, 150, 240, d, dtype, {"window": (40, 7), "dropout_p": 0.5, "seed": 11}, 4, mean=0.5),
+        fuzz.Case(1, 2, 1, 97, 241, d, dtype, {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 5),
+        fuzz.Case(1, 2, 2, 64, 90, d, dtype, {"scale": -0.3, "causal": True}, 6),
+    ]
+
+
+WIDE_GPU = [(name, params) for name in WIDE_RUNGS for params in ({},)] + [("fa3", {"pingpong": True}),
+                                                                          ("fa3-wgmma", {"block_c": 64})]
+
+
+@pytest.fixture(scope="module")
+def wide_kernels_built():
+    """Every module the wide GPU tests launch, built in parallel up front (one NVRTC job per core)."""
+    from sandbox.device import arch
+    units = [sandbox.get_variant(n, **p).config.unit(dt, D) for n, p in WIDE_GPU for dt in ("float16", "bfloat16")
+             for D in (128, 192, 256)]
+    loader.prebuild(units, arch())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [96, 192, 256, 200])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name,params", WIDE_GPU, ids=[f"{n}{''.join(f'-{k}={v}' for k, v in p.items())}"
+                                                        for n, p in WIDE_GPU])
+def test_wide_head_dims_match_oracle(wide_kernels_built, name, params, dtype, d):
+    from sandbox import fuzz
+    bound = sandbox.get_variant(name, **params)
+    for case in _wide_cases(dtype, d):
+        fuzz.assert_case(bound, case, "forward")
+
+
+@pytest.mark.gpu
+def test_wide_backward_is_refused_on_the_gpu():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 2, 64, 256)).astype(np.float16)
+    res = sandbox.forward(q, q, q, variant="fa3")
+    with pytest.raises(ValueError, match="backward at head dim 256"):
+        sandbox.backward(q, res)

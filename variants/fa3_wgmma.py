@@ -12,31 +12,72 @@ defaults, or the wgmma one (variants/fa3_backward.py); either reads only q, k, v
 this forward writes in the same layout.
 Features: fa2-tc's (causal with tile skipping, window, block-sparse, GQA/MQA, dropout bit-exact with
 the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and bf16, d a multiple of
-8 up to 128. Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code
-runs on no other architecture; elsewhere check() raises a ValueError naming it.
+8 up to 256: kernels for D = 64, 128, 192 and 256, d zero-padded to the next (`d_pad`: d = 96 runs the
+D = 128 kernel). Bc "auto" (the default) is FA3's key tile per head dim (AUTO_BC: 128 up to D = 128,
+112 at 192, 80 at 256: the largest whose S, P and O registers and Q, K, V shared memory fit). The
+backward stops at d = 128 (both fa2-tc's and fa3_bwd.cu hold dK and dV in registers): check() refuses
+a backward at d > 128 with a ValueError naming the head dim; the forward runs there.
+Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
+other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sandbox import arrays
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, arch, has_gpu
-from sandbox.launch import cuda_options
-from sandbox.loader import CompileUnit
+from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
+from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 from . import fa3_backward
-from .fa2_tc import CTYPE, ITEMSIZE, FA2TensorCore, TCConfig, d_pad
+from .fa2_tc import CTYPE, ITEMSIZE, FA2TensorCore, TCConfig, _check_aligned, _check_row_strides, _dropout_slots, \
+    check_alignment, scale_log2
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 ARCHS = ("sm_90a",)          # wgmma.mma_async: the architecture-specific target
+HEAD_DIMS = (64, 128, 192, 256)  # the padded head dims D the forward kernels are built for
+BWD_MAX_D = 128              # the backward kernels (fa2-tc's, fa3_bwd.cu) stop here
+
+
+def d_pad(d: int) -> int:
+    """The kernel head dim D of a head dim d (a multiple of 8 up to 256): the next of HEAD_DIMS; the
+    columns past d are zero-filled in shared memory and never written back."""
+    return next(D for D in HEAD_DIMS if d <= D)
+
+
+def backward_head_dim_errors(d: int) -> list[str]:
+    """The backward's envelope in head dim (the forward's is HEAD_DIMS[-1])."""
+    if d <= BWD_MAX_D:
+        return []
+    return [f"backward at head dim {d}: the backward kernels (fa2-tc's, fa3_bwd.cu) stop at d = {BWD_MAX_D}; "
+            f"d = {BWD_MAX_D + 8}..{HEAD_DIMS[-1]} is forward only"]
+
+
+# Bc "auto", per padded head dim: FA3's key tiles (hopper/tile_size.h, 128 query rows): 128 up to D = 128;
+# 112 at D = 192 and 80 at D = 256, where the O accumulator (D / 2 floats per consumer thread) leaves room
+# for S and P of that many keys, and fa3-ws's two K and V ring slots still fit 227 KB beside Q.
+AUTO_BC = {64: 128, 128: 128, 192: 112, 256: 80}
+# A thread's registers beyond its O (D / 2), S (Bc / 2) and P (Bc / 4) accumulators: the envelope refuses a
+# D > 128 config whose sum passes its register cap (the wide head dims only: at D <= 128 the compile report
+# decides). Calibrated on the compile report (NVRTC 13, sm_90a; README, Hopper ladder).
+OVERHEAD_REGS = 40
+
+
+def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
+    need = D // 2 + bc // 2 + bc // 4 + OVERHEAD_REGS
+    if D <= 128 or need <= cap:
+        return []
+    return [f"head dim D = {D} with Bc = {bc} needs about {need} registers per thread (O {D // 2}, S {bc // 2}, "
+            f"P {bc // 4}, {OVERHEAD_REGS} more), over the {cap} of {who}; take block_c=\"auto\" or a smaller Bc"]
 
 
 # ---- config
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    block_c: int = 128
+    block_c: object = "auto"
     warpgroups: int = 2
     philox_rounds: int = 10
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
@@ -52,15 +93,21 @@ class WgmmaConfig:
         return 4 * self.warpgroups
 
     def bc(self, D: int, dropout: bool = False) -> int:
-        return self.block_c
+        return AUTO_BC[D] if self.block_c == "auto" else self.block_c
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
-        return (f"fa3_wgmma_forward<{CTYPE[dtype]}, {D}, {self.block_c}, {self.warpgroups}, {self.philox_rounds}, "
+        return (f"fa3_wgmma_forward<{CTYPE[dtype]}, {D}, {self.bc(D)}, {self.warpgroups}, {self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False) -> int:
         """Q, K, V tiles, plus 1024 bytes of slack to align them (kernels_cu/fa3_wgmma.cu)."""
-        return ITEMSIZE * D * (self.block_r + 2 * self.block_c) + 1024
+        return ITEMSIZE * D * (self.block_r + 2 * self.bc(D)) + 1024
+
+    @property
+    def register_cap(self) -> int:
+        """Registers per thread of one block per SM (__launch_bounds__(128 WG, 1)): 65536 / threads, at
+        most 255, in ptxas's steps of 8."""
+        return min(255, 65536 // (128 * self.warpgroups) // 8 * 8)
 
     def unit(self, dtype: str, D: int) -> CompileUnit:
         names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
@@ -69,7 +116,8 @@ class WgmmaConfig:
 
     def envelope_errors(self, D: int) -> list[str]:
         smem = self.forward_smem(D)
-        return [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+        errs = [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+        return errs + register_errors(D, self.bc(D), self.register_cap, f"warpgroups={self.warpgroups}")
 
 
 # ---- launch: fa2-tc's forward path (same kernel signature, grid and tile table), fa2-tc's backward
@@ -77,21 +125,25 @@ class WgmmaConfig:
 class FA3Wgmma(FA2TensorCore):
     name = "fa3-wgmma"
     has_backward = True
-    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, warpgroups). The CI
-    # gate builds the defaults and this table; block_c=64 and warpgroups=1 compiled clean too (this
-    # session's reports) but are left to compile on first use: each Hopper kernel costs seconds of NVRTC.
-    TUNED = {(128, 2)}
+    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, warpgroups);
+    # "auto" is Bc = 128 at D <= 128 (the kernels of the former default block_c=128). The CI gate builds the
+    # defaults and this table; block_c=64 and warpgroups=1 compiled clean too at D <= 128 (this session's
+    # reports) but are left to compile on first use: each Hopper kernel costs seconds of NVRTC.
+    TUNED = {("auto", 2)}
 
-    def configure(self, block_c=128, warpgroups=2, philox_rounds=10, bwd_kernel="mma"):
+    def configure(self, block_c="auto", warpgroups=2, philox_rounds=10, bwd_kernel="mma"):
         return WgmmaConfig(block_c, warpgroups, philox_rounds, TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
     def check(self, problem, config, direction):
         if has_gpu() and arch() != "sm_90":
             raise ValueError(f"variant {self.name!r} needs an sm_90 GPU (H100, H200): its wgmma kernels build for "
                              f"the sm_90a target only; this GPU is {arch()}")
+        if problem.d > HEAD_DIMS[-1]:
+            raise ValueError(f"variant {self.name!r}: head dim {problem.d} exceeds {HEAD_DIMS[-1]}")
         errs = config.envelope_errors(d_pad(problem.d))
         if direction in ("backward", "both"):
-            errs += config.bwd.backward_errors(d_pad(problem.d))
+            bwd = backward_head_dim_errors(problem.d)
+            errs += bwd or config.bwd.backward_errors(d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
         if errs:
@@ -115,7 +167,7 @@ class FA3Wgmma(FA2TensorCore):
     def compile_units(self, config):
         """The forward units of `config`; the backward's with the default config (fa2-tc's kernels, which
         also hold the wgmma backward's preprocessing) and with bwd_kernel="wgmma" (fa3_bwd.cu)."""
-        units = [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
+        units = [config.unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS if not config.envelope_errors(D)]
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)
                       if not config.bwd.backward_errors(D)]
@@ -124,11 +176,65 @@ class FA3Wgmma(FA2TensorCore):
         return units
 
     def backward(self, p, dout, q, k, v, out, lse, config):
+        self._refuse_wide_backward(p)
         if config.bwd_kernel == "wgmma":
             return fa3_backward.backward(self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
 
+    def _refuse_wide_backward(self, p):
+        """check() refuses it first; this guard keeps a direct call from launching a D = 128 kernel on wider rows."""
+        errs = backward_head_dim_errors(p.d)
+        if errs:
+            raise ValueError(f"variant {self.name!r}: " + "; ".join(errs))
+
+    # ---- the forward: fa2-tc's signature, grid and tile table, with this rung's head-dim padding
+
+    def launch(self, p, q, k, v, config, grid, scratch=()):
+        import cupy as xp
+        for x, nm in ((q, "q"), (k, "k"), (v, "v")):
+            check_alignment(x, nm, self.name)
+        if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
+            k = arrays.negate(k, xp)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
+        lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D), xp)
+        launch(unit, name, grid, (32 * config.warps,),
+               (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, *scratch,
+                tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p)),
+               shared_mem=unit.dynamic_smem[name])
+        return out, lse
+
+    def forward_plan(self, p, config, strides) -> LaunchPlan | None:
+        """fa2-tc's pointer-level plan with this rung's padding (None for a negative scale: the generic
+        path negates K into a copy)."""
+        import cupy as xp
+        if p.scale < 0:
+            return None
+        for nm in ("q", "k", "v"):
+            _check_row_strides(strides[nm], nm, self.name)
+        D, dropout = d_pad(p.d), p.dropout_p > 0
+        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D), xp)
+        sq, sk, sv = (tuple(i64(x) for x in strides[nm][:3]) for nm in ("q", "k", "v"))
+        args = (Slot("q"), *sq, Slot("k"), *sk, Slot("v"), *sv, Slot("out"), Slot("lse"), tiles, tile_heads,
+                i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(scale_log2(p.scale)), *mask_args(p, xp),
+                *_dropout_slots(p))
+        kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
+                              (32 * config.warps,), unit.dynamic_smem[name], args)
+
+        def run(ptr, seed, offset, stream):
+            _check_aligned(ptr, ("q", "k", "v"), self.name)
+            ptr["seed"], ptr["offset"] = seed, offset
+            kernel(ptr, stream)
+
+        buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
+        return LaunchPlan(buffers, run, keep=(tiles,))
+
     def backward_plan(self, p, config, strides):
+        self._refuse_wide_backward(p)
         if config.bwd_kernel == "wgmma":
             return fa3_backward.backward_plan(self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)
@@ -137,14 +243,17 @@ class FA3Wgmma(FA2TensorCore):
 BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma"), "mma", "backward kernels: mma, fa2-tc's (mma.sync, the default "
                    "until the wgmma one has the tier's GPU evidence); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, "
                    "128 keys per block, dQ by atomics)")
-CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 129, 8)))
+# head dims: the forward's (multiples of 8 up to 256); the backward's stop at 128 (check() refuses past it:
+# the registry has one head-dim list for both directions)
+CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)))
 
 register(Variant(
     name="fa3-wgmma", family="fa3", backend="cuda",
     description="Hopper rung 1: both GEMMs on wgmma (sm_90a), Q/K/V in 128B-swizzled smem, P in registers; "
                 "cp.async loads; fa2-tc's backward",
     impl=FA3Wgmma(),
-    params=(Param("block_c", (64, 128, 192), 128, "Bc: keys per K/V tile (the n of S = Q K^T's wgmma)"),
+    params=(Param("block_c", ("auto", 64, 80, 112, 128, 192), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's "
+                  "wgmma); auto: 128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (AUTO_BC)"),
             Param("warpgroups", (1, 2, 3), 2, "warpgroups per block, 64 query rows each (Br = 64 x warpgroups)"),
             philox_rounds_param(), BWD_KERNEL),
     caps=CAPS, seed_ref="FA3 paper Sec. 3.1 (wgmma); FA2 paper Algorithm 1, Sec. 3.1",

@@ -12,8 +12,10 @@ overlap of the softmax with the GEMMs; Algorithm 2).
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers), ring
 slots (`stages`), `overlap`, `philox_rounds`. Tensor maps: sandbox/tma.py (built per array on the host,
 passed by value through loader.PackedLaunch). The backward is fa2-tc's (mma.sync) with its defaults.
-Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 128;
-sm_90 GPUs only). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
+Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 256, padded
+to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 80; the backward stops at
+d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
+240 registers, O alone 128 of them), Bc = 80, two ring slots (Q 64 KB + 2 x (K, V) 160 KB of 227 KB). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
 broadcast dims) are copied to contiguous ones first; the torch plan path then takes the generic path.
 Status and speed: bench/results/h100/.
 """
@@ -27,8 +29,8 @@ from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mas
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
-from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, d_pad, scale_log2
-from .fa3_wgmma import ARCHS, BWD_KERNEL, CAPS, FA3Wgmma
+from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, scale_log2
+from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, register_errors
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 
@@ -37,7 +39,7 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 
 @dataclass(frozen=True)
 class WsConfig:
-    block_c: int = 128
+    block_c: object = "auto"
     consumers: int = 2
     stages: int = 2
     overlap: bool = True
@@ -55,16 +57,22 @@ class WsConfig:
         return 128 * (self.consumers + 1)
 
     def bc(self, D: int, dropout: bool = False) -> int:
-        return self.block_c
+        return AUTO_BC[D] if self.block_c == "auto" else self.block_c
+
+    @property
+    def register_cap(self) -> int:
+        """A consumer thread's registers: setmaxnreg's claim (240 with two consumers, 160 with three), or
+        with one consumer the 255 that two warpgroups of one block per SM allow."""
+        return {1: 255, 2: 240, 3: 160}[self.consumers]
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
-        return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.block_c}, {self.consumers}, {self.stages}, "
+        return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.bc(D)}, {self.consumers}, {self.stages}, "
                 f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, {self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False) -> int:
         """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
-        return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.block_c) + 8 * (1 + 4 * self.stages) + 1024
+        return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
 
     def unit(self, dtype: str, D: int) -> CompileUnit:
         names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
@@ -74,6 +82,7 @@ class WsConfig:
     def envelope_errors(self, D: int) -> list[str]:
         smem = self.forward_smem(D)
         errs = [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
+        errs += register_errors(D, self.bc(D), self.register_cap, f"a consumer thread with consumers={self.consumers}")
         if self.pingpong and (self.consumers != 2 or not self.overlap):
             errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
                         f"(consumers=2, variant fa3); got consumers={self.consumers}")
@@ -86,15 +95,16 @@ class FA3WarpSpecialized(FA3Wgmma):
     """fa3-wgmma's checks, compile units and (fa2-tc's) backward; its own forward launch: tensor maps
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
 
-    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64 and 128: (block_c, consumers, stages);
-    # stages=3 compiled clean too but is left to compile on first use (the CI gate's time budget)
-    TUNED = {(128, 2, 2)}
+    # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, consumers,
+    # stages), "auto" being Bc = 128 at D <= 128; stages=3 compiled clean too at D <= 128 but is left to compile
+    # on first use (the CI gate's time budget)
+    TUNED = {("auto", 2, 2)}
 
     def __init__(self, name: str, overlap: bool):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c=128, consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="mma"):
+    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="mma"):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
@@ -110,7 +120,7 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def _arguments(self, p, config, maps, out, lse, xp):
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        tiles, tile_heads = tile_table(p, config.block_r, config.block_c, xp)
+        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D), xp)
         return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
                        f32(scale_log2(p.scale)), *mask_args(p, xp)), D, dropout
 
@@ -119,7 +129,8 @@ class FA3WarpSpecialized(FA3Wgmma):
         if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
             k = arrays.negate(k, xp)
         maps, held = [], []
-        for x, rows in ((q, 64), (k, config.block_c), (v, config.block_c)):
+        bc = config.bc(d_pad(p.d))
+        for x, rows in ((q, 64), (k, bc), (v, bc)):
             if tma.usable_strides(x.shape, arrays.element_strides(x)) is None or x.data.ptr % 16:
                 x = xp.array(x, copy=True, order="C")    # strides or a base TMA cannot describe: a fresh copy
             maps.append(tma.map_of(x, rows))
@@ -142,7 +153,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         shapes = {"q": (p.B, p.Hq, p.Nq, p.d), "k": (p.B, p.Hkv, p.Nk, p.d), "v": (p.B, p.Hkv, p.Nk, p.d)}
         if any(tma.usable_strides(shapes[nm], strides[nm]) is None for nm in shapes):
             return None
-        rows = {"q": 64, "k": config.block_c, "v": config.block_c}
+        rows = {"q": 64, "k": config.bc(d_pad(p.d)), "v": config.bc(d_pad(p.d))}
         maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
         tiles, args, D, dropout = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
@@ -163,7 +174,8 @@ class FA3WarpSpecialized(FA3Wgmma):
 
 
 PARAMS = (
-    Param("block_c", (64, 128), 128, "Bc: keys per K/V tile (the n of S = Q K^T's wgmma)"),
+    Param("block_c", ("auto", 64, 80, 112, 128), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's wgmma); auto: "
+          "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
     Param("consumers", (1, 2, 3), 2, "consumer warpgroups, 64 query rows each (Br = 64 x consumers); one more "
           "warpgroup produces"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
