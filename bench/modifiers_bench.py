@@ -13,9 +13,12 @@ Timing: sandbox.timing.time_fn (CUDA events, warm-up with the NVRTC build outsid
 median) of the forward and of the backward; `overhead` is the time over plain causal of the same
 variant and shape.
 FlexAttention (torch.nn.attention.flex_attention, torch.compile'd, the mask as a BlockMask from
-create_block_mask, built outside the timed region): the same score_mod / mask_mod written in torch,
-checked against the oracle on the small problem, timed forward (and backward through autograd) the
-same way. Sinks have no flex_attention form (a denominator term without a key): that cell says so.
+create_block_mask, built outside the timed region): the same score_mod / mask_mod written in torch.
+Per case: torch._dynamo.reset(), a fresh compiled callable, the recompile limit raised (and
+fail_on_recompile_limit_hit where PyTorch has it), a warm-up that must compile its two graphs
+(inference; autograd forward + backward), or the row fails with "ran eager"; then the first 256 rows
+of that warm-up's output checked against the oracle (causal: they see keys < 256 only), then
+forward (and backward through autograd) timed the same way. Sinks have no flex_attention form (a denominator term without a key): that cell says so.
 Where PyTorch has no flex_attention or no CUDA, the flex rows are skipped with the reason.
 
     python -m bench modifiers [--seqlens 1024,4096,8192] [--headdims 64,128] [--variant NAME] [--no-flex]
@@ -92,15 +95,29 @@ def flex_unavailable() -> str | None:
     return None
 
 
-_FLEX = {}
-
-
 def _flex_fn():
-    if "fn" not in _FLEX:
-        import torch
-        from torch.nn.attention.flex_attention import flex_attention
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
+    """A fresh torch.compile of flex_attention (the caller resets dynamo first: see run_flex)."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _dynamo_limits():
+    """torch._dynamo.config patched for the bench: a recompile limit no case reaches and, where this
+    PyTorch has it, an error instead of the silent eager fallback past the limit. Each case compiles
+    two entries (inference forward; forward with requires_grad plus its backward): the old single
+    compiled callable shared flex_attention's code object across cases, so the limit (8) was hit
+    ("tensor 'key' requires_grad mismatch") and flex ran eager (39 ms at d = 128)."""
+    import torch._dynamo.config as cfg
+    patch = {k: 64 for k in ("recompile_limit", "cache_size_limit") if hasattr(cfg, k)}
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        patch["fail_on_recompile_limit_hit"] = True
+    return cfg.patch(patch)
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
 
 
 def flex_args(case: str, opts: dict, B: int, H: int, N: int):
@@ -138,19 +155,19 @@ def flex_args(case: str, opts: dict, B: int, H: int, N: int):
     return score_mod, block_mask
 
 
-def flex_check(case: str, d: int):
-    """(ok, message) of flex_attention on the small problem against the oracle (fp16 tolerance)."""
-    import torch
+def flex_check(case: str, out, q, k, v, H: int, N: int):
+    """(ok, message): the first CHECK_N rows of batch entry 0 of flex_attention's output on the timed
+    inputs against the float64 oracle run on those rows and keys (every case is causal, so row i sees
+    keys <= i only; the document ids of the first CHECK_N positions), fp16 tolerance. No extra compile:
+    the output is the timed call's."""
     from sandbox import oracle
-    opts = modifier_options(case, CHECK_HEADS, CHECK_N)
-    args = flex_args(case, opts, 1, CHECK_HEADS, CHECK_N)
-    if isinstance(args, str):
-        raise ValueError(args)
-    rng = np.random.default_rng(1)
-    q, k, v = (rng.standard_normal((1, CHECK_HEADS, CHECK_N, d)).astype(np.float16) for _ in range(3))
-    got = _flex_fn()(*(torch.tensor(x).cuda() for x in (q, k, v)), score_mod=args[0], block_mask=args[1])
-    ref, _ = oracle.forward(q, k, v, **opts)
-    err = float(np.abs(got.float().cpu().numpy() - ref).max())
+    opts = modifier_options(case, H, N)
+    if case == "document":
+        opts["mask_mod"] = modifiers.document(np.arange(N)[:CHECK_N] * DOCUMENTS // N)
+    n = min(CHECK_N, N)
+    qs, ks, vs = (x[:1, :, :n].float().cpu().numpy() for x in (q, k, v))
+    ref, _ = oracle.forward(qs, ks, vs, **opts)
+    err = float(np.abs(out[:1, :, :n].float().cpu().numpy() - ref).max())
     return err < 2e-2, f"flex_attention max |err| {err:.3g} against the oracle"
 
 
@@ -193,6 +210,9 @@ def _backward_call(bound, q, k, v, do, opts):
 
 
 def run_flex(q, k, v, do, d, n, B, H, reps) -> list[dict]:
+    """Per case: dynamo reset, a fresh compiled flex_attention, the block mask built once (outside the
+    timed region), a warm-up call that must compile a graph (else the row fails: flex ran eager), the
+    oracle check on that call's output, then forward and backward timed."""
     import torch
     rows = []
     tq, tk, tv, tdo = (torch.as_tensor(x, device="cuda") for x in (q, k, v, do))
@@ -204,28 +224,50 @@ def run_flex(q, k, v, do, d, n, B, H, reps) -> list[dict]:
         if isinstance(args, str):
             rows.append({**row, "status": f"skipped: {args}"})
             continue
-        fn = _flex_fn()
-
-        def forward():
-            return fn(tq, tk, tv, score_mod=args[0], block_mask=args[1])
-
-        def timed_backward():
-            gq, gk, gv = (x.detach().requires_grad_() for x in (tq, tk, tv))
-            out = fn(gq, gk, gv, score_mod=args[0], block_mask=args[1])
-            return lambda: torch.autograd.grad(out, (gq, gk, gv), tdo, retain_graph=True)
-
-        tf = check_then_time(lambda: flex_check(case, d), lambda: forward, reps, rejects=(ValueError, RuntimeError))
-        tb = check_then_time(lambda: flex_check(case, d), timed_backward, reps, rejects=(ValueError, RuntimeError))
-        row["status"] = tf["status"] if tf["status"] != "ok" else tb["status"]
-        if "ms" in tf and "ms" in tb:
-            row.update(fwd_ms=tf["ms"], bwd_ms=tb["ms"])
+        torch._dynamo.reset()
+        with _dynamo_limits():
+            row.update(_time_flex(case, args, tq, tk, tv, tdo, H, n, reps))
+        if "fwd_ms" in row:
             if case == "causal":
                 base = row
             elif "fwd_ms" in base:
-                row.update(fwd_overhead=tf["ms"] / base["fwd_ms"] - 1, bwd_overhead=tb["ms"] / base["bwd_ms"] - 1)
-            print(f"  flex_attention d={d} N={n:5d} {case:14s} fwd {tf['ms']:7.3f} ms  bwd {tb['ms']:7.3f} ms", flush=True)
+                row.update(fwd_overhead=row["fwd_ms"] / base["fwd_ms"] - 1, bwd_overhead=row["bwd_ms"] / base["bwd_ms"] - 1)
+            print(f"  flex_attention d={d} N={n:5d} {case:14s} fwd {row['fwd_ms']:7.3f} ms  bwd {row['bwd_ms']:7.3f} ms",
+                  flush=True)
         rows.append(row)
     return rows
+
+
+def _time_flex(case, args, tq, tk, tv, tdo, H, n, reps) -> dict:
+    """The status and times of one flex case (run_flex)."""
+    import torch
+    fn = _flex_fn()
+    score_mod, block_mask = args
+    gq, gk, gv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+    try:
+        before = _compiled_graphs()
+        out = fn(tq, tk, tv, score_mod=score_mod, block_mask=block_mask)       # compiles (inference)
+        gout = fn(gq, gk, gv, score_mod=score_mod, block_mask=block_mask)      # compiles (autograd)
+        torch.autograd.grad(gout, (gq, gk, gv), tdo, retain_graph=True)
+        torch.cuda.synchronize()
+        if _compiled_graphs() < before + 2:
+            return {"status": f"FAIL flex_attention ran eager: dynamo compiled {_compiled_graphs() - before} of 2 "
+                              "graphs (recompile limit or graph break)"}
+        ok, verdict = flex_check(case, out, tq, tk, tv, H, n)
+    except (ValueError, RuntimeError, AssertionError) as e:
+        return {"status": f"rejected: {type(e).__name__}: {str(e)[:80]}"}
+    if not ok:
+        return {"status": f"FAIL {verdict}"}
+    tf = check_then_time(lambda: (True, verdict), lambda: (lambda: fn(tq, tk, tv, score_mod=score_mod,
+                                                                      block_mask=block_mask)),
+                         reps, rejects=(ValueError, RuntimeError))
+    tb = check_then_time(lambda: (True, verdict),
+                         lambda: (lambda: torch.autograd.grad(gout, (gq, gk, gv), tdo, retain_graph=True)),
+                         reps, rejects=(ValueError, RuntimeError))
+    res = {"status": tf["status"] if tf["status"] != "ok" else tb["status"]}
+    if "ms" in tf and "ms" in tb:
+        res.update(fwd_ms=tf["ms"], bwd_ms=tb["ms"])
+    return res
 
 
 def markdown(rows, flex_note: str | None = None) -> str:

@@ -179,6 +179,9 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
             gemm_qk<T, D>(s, kq.q, kq.k + off);          // S^T: this warp's keys x the tile's queries
             gemm_qk<T, D>(dp, vd.q, vd.k + off);         // dP^T = V dO^T
             const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+#ifdef FA_SCORE_MOD
+            const float fi0 = (float)(row0 + 2 * tq), fj0 = (float)(col0 + wkey + g);   // tc_mods.cuh: fi, fj
+#endif
 #pragma unroll
             for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
@@ -195,8 +198,9 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
 #ifdef FA_SCORE_MOD
                     if (vis) {
                         const float sn = s[mk][n][e] * scale;
-                        x2 = score_mod(sn, b, h, i, j FA_SM_ARGS) * LOG2E;
-                        gr = score_mod_grad(sn, b, h, i, j FA_SM_ARGS);
+                        const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(mk * 16 + (e >= 2 ? 8 : 0));
+                        x2 = score_mod(sn, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E;
+                        gr = score_mod_grad(sn, b, h, i, j, fi, fj FA_SM_ARGS);
                     }
 #endif
                     const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
@@ -356,6 +360,9 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
         gemm_qk<T, D>(dp, da.q, da.k + off);         // dP = dO V_t^T
         const int cls = trow[t], col0 = t * BC;
         const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+#ifdef FA_SCORE_MOD
+        const float fi0 = (float)(row0 + wrow + g), fj0 = (float)(col0 + 2 * tq);   // tc_mods.cuh: fi, fj
+#endif
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -374,8 +381,9 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 #ifdef FA_SCORE_MOD
                     if (vis) {
                         const float sn = s[0][n][e] * scale;
-                        x2 = score_mod(sn, b, h, i, j + c FA_SM_ARGS) * LOG2E;
-                        gr = score_mod_grad(sn, b, h, i, j + c FA_SM_ARGS);
+                        const float fi = fi0 + (float)(8 * hr), fj = fj0 + (float)(n * 8 + c);
+                        x2 = score_mod(sn, b, h, i, j + c, fi, fj FA_SM_ARGS) * LOG2E;
+                        gr = score_mod_grad(sn, b, h, i, j + c, fi, fj FA_SM_ARGS);
                     }
 #endif
                     const float p = vis ? exp2_ftz(x2 - L[hr]) : 0.0f;

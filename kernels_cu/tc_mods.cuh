@@ -4,7 +4,12 @@
 // Everything here is behind preprocessor switches that sandbox/modifiers.py (`cuda_defines`) sets
 // as NVRTC -D options; without them this header defines MOD_PARAMS as nothing and no function, so a
 // kernel without modifiers compiles to the same code as before it included this header.
-//   FA_SCORE_MOD        a score modifier: float score_mod(float s, int b, int h, int i, int j, buffers...)
+//   FA_SCORE_MOD        a score modifier: float score_mod(float s, int b, int h, int i, int j, float fi,
+//                       float fj, buffers...); fi, fj are i, j as floats (exact below 2^24, which the host
+//                       checks), formed once per row and per column of a tile, so that a modifier of the
+//                       distance (ALiBi) pays one FADD per element instead of an I2F (quarter rate, the
+//                       MUFU pipe the softmax's EX2 needs). An identity modifier (sinks alone) sets no
+//                       FA_SCORE_MOD: the kernel keeps its exp2 fast path (scale folded into one FFMA).
 //   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
 //   FA_SINKS            a per-head sink logit in the softmax denominator (kernel argument mod_sink[Hq])
 //   FA_MASK_MOD         a mask modifier: bool mask_mod(int b, int h, int i, int j, buffers...)
@@ -20,7 +25,7 @@
 // predicate and empty ones are never loaded.
 #pragma once
 
-#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD)
+#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD) || defined(FA_SINKS)
 #define FA_MODS 1
 #ifndef FA_SM_PARAMS
 #define FA_SM_PARAMS
@@ -30,6 +35,18 @@
 #define FA_MM_PARAMS
 #define FA_MM_ARGS
 #endif
+
+// Helpers a modifier's CUDA text may call (the built-ins' do: sandbox/modifiers.py).
+// tanh by the hardware's MUFU.TANH (sm_75+): one quarter-rate op instead of libdevice's tanhf (a branchy
+// sequence of an exp, a division and a polynomial). Max relative error about 2^-11 (PTX ISA), the
+// unit roundoff of fp16; the tolerance rule compares with a naive reference that rounds the modified
+// scores to the dtype (sandbox/oracle.py), which errs as much. Not volatile: score_mod and
+// score_mod_grad of one element share it (CSE).
+__device__ __forceinline__ float fa_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 FA_MOD_FUNCS
 
@@ -59,24 +76,45 @@ __device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int 
 // The forward's scores after the modifiers, in place: with a score modifier, mod(mod_scale s) in natural
 // units (the caller's softmax then takes LOG2E as its scale); without one the raw scores (its scale
 // stays scale log2 e). -inf where invisible: out of range, the band / block mask or the mask modifier
-// (in tiles that are not `full`: a full tile has every element in range and visible).
+// (in tiles that are not `full`: a full tile has every element in range and visible). A full tile
+// runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
+// without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
+// (a buffer indexed by i or j must not be read past its end).
 template <int MT, int NT>
 __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, const Mask& mask, int b, int h,
                                            int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
+#ifdef FA_SCORE_MOD
+    const float fi0 = (float)(row_base + g), fj0 = (float)(col0 + 2 * tq);   // + small constants: exact
+    if (full) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
+                    s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, row_base + g + di, col0 + 2 * tq + dj,
+                                            fi0 + (float)di, fj0 + (float)dj FA_SM_ARGS);
+                }
+        return;
+    }
+#else
+    if (full) return;
+#endif
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
-                const int j = col0 + n * 8 + 2 * tq + (e & 1);
-                const bool vis = full || (i < Nq && j < Nk && mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
+                const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
+                const int i = row_base + g + di, j = col0 + 2 * tq + dj;
+                const bool vis = i < Nq && j < Nk && mod_visible(mask, b, h, i, j, MOD_FN_ARGS);
 #ifdef FA_SCORE_MOD
-                s[mt][n][e] = vis ? score_mod(s[mt][n][e] * mod_scale, b, h, i, j FA_SM_ARGS) : NEG_INF;
-#else
-                if (!vis) s[mt][n][e] = NEG_INF;
+                if (vis) s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, i, j, fi0 + (float)di, fj0 + (float)dj
+                                                 FA_SM_ARGS);
 #endif
+                if (!vis) s[mt][n][e] = NEG_INF;
             }
 }
 

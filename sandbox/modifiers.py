@@ -13,7 +13,11 @@ Each is declared once, in the forms the backends need:
   Numba compiles it into the Numba kernels (`cuda.jit(device=True)`);
 - a CUDA C expression in the same names (`s`, `b`, `h`, `i`, `j`, each buffer as a pointer, and its
   sizes as `<name>_shape0`, `<name>_shape1`, ...), kept as text for the CUDA C kernels, which
-  compile it into their module (the module cache is keyed by that text; `cuda_function()`).
+  compile it into their module (the module cache is keyed by that text; `cuda_function()`). A score
+  modifier's text may also use `fi`, `fj`: i and j as floats, which the kernels form once per row and
+  column of a tile (an int-to-float conversion per element runs at quarter rate, on the pipe the
+  softmax's exponentials need), and `fa_tanh(x)`, the hardware tanh (kernels_cu/tc_mods.cuh). The text
+  "s" is the identity: the kernels compile no score modifier for it (sinks alone).
 
 The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
 modifier without them is forward-only, and a backward with it is refused (ValueError).
@@ -46,7 +50,7 @@ from typing import Callable
 import numpy as np
 
 MAX_BUFFERS = 4                    # captured arrays per modifier (the Numba kernels pass a fixed number)
-RESERVED = ("s", "b", "h", "i", "j")
+RESERVED = ("s", "b", "h", "i", "j", "fi", "fj")
 
 
 def _callable(value, what, optional=False):
@@ -180,15 +184,21 @@ class ScoreMod:
             self.check(B, Hq, Nq, Nk)
 
     @property
+    def is_identity(self) -> bool:
+        """Its CUDA text is `s`: the scores pass unchanged (sinks alone), so the tensor-core kernels
+        compile no score modifier and keep their fast path (cuda_defines)."""
+        return " ".join(self.cuda.split()) == "s"
+
+    @property
     def kernel_key(self) -> tuple:
         """What a compiled kernel depends on: the scalar code, the buffer count, sinks or not."""
         return (self.scalar, self.scalar_grad, len(self.buffers), self.sink is not None)
 
     def cuda_function(self) -> str:
         """The CUDA C device functions `score_mod` and `score_mod_grad` (module docstring's names)."""
-        body = [_cuda_fn("score_mod", "float s, ", self.cuda, self.buffers)]
+        body = [_cuda_fn("score_mod", "float s, ", self.cuda, self.buffers, floats=True)]
         if self.cuda_grad is not None:
-            body.append(_cuda_fn("score_mod_grad", "float s, ", self.cuda_grad, self.buffers))
+            body.append(_cuda_fn("score_mod_grad", "float s, ", self.cuda_grad, self.buffers, floats=True))
         return "\n".join(body)
 
     @property
@@ -256,9 +266,10 @@ class MaskMod:
 _C_TYPES = {"b": "unsigned char", "i": "int", "u": "int", "f": "float"}
 
 
-def _cuda_fn(fname, first, expr, buffers, result="float"):
-    """A __device__ function of (s,) b, h, i, j and the buffers (pointers plus their shapes)."""
-    args = [f"{first}int b, int h, int i, int j"]
+def _cuda_fn(fname, first, expr, buffers, result="float", floats=False):
+    """A __device__ function of (s,) b, h, i, j, (with `floats`: fi, fj, the positions as floats) and
+    the buffers (pointers plus their shapes)."""
+    args = [f"{first}int b, int h, int i, int j" + (", float fi, float fj" if floats else "")]
     for name, arr in buffers.items():
         args.append(f"const {_C_TYPES[arr.dtype.kind]}* __restrict__ {name}")
         args += [f"int {name}_shape{a}" for a in range(arr.ndim)]
@@ -315,10 +326,13 @@ def softcap(cap) -> ScoreMod:
     cap = _real(cap, "softcap: cap")
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap}")
-    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * tanhf(s / cap[0])",
+    # CUDA: cap[1] = 1 / cap (a multiply, not an IEEE division per element) and the hardware tanh
+    # (fa_tanh: MUFU.TANH, one op; libdevice's tanhf is a branchy exp / division / polynomial sequence);
+    # the derivative's tanh is the forward's, shared by the compiler (the backward calls both).
+    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar,
-                    "1.0f - tanhf(s / cap[0]) * tanhf(s / cap[0])",
-                    buffers={"cap": np.array([cap])}, params={"cap": cap})
+                    "1.0f - fa_tanh(s * cap[1]) * fa_tanh(s * cap[1])",
+                    buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap})
 
 
 def _ones_np(s, b, h, i, j, *buffers, **named):
@@ -341,7 +355,7 @@ def alibi(slopes) -> ScoreMod:
     """ALiBi: s + slope_h * (j - i), one slope per query head (or one for all)."""
     slopes = _float_vector(slopes, "alibi: slopes")
     return ScoreMod("alibi", _alibi_np, _alibi_scalar,
-                    "s + slopes[min(h, slopes_shape0 - 1)] * (float)(j - i)",
+                    "s + slopes[min(h, slopes_shape0 - 1)] * (fj - fi)",     # fi, fj: no I2F per element
                     _ones_np, _one_scalar, "1.0f", buffers={"slopes": slopes},
                     check=_heads_check("alibi", {"slopes": slopes}), params={"heads": slopes.shape[0]})
 
@@ -544,7 +558,8 @@ def _one_line(text: str, where: str) -> str:
 
 def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backward: bool = False) -> tuple:
     """NVRTC -D options that compile the modifiers into a tensor-core kernel module (tc_mods.cuh):
-    the switches FA_SCORE_MOD, FA_SCORE_MOD_GRAD (backward), FA_SINKS, FA_MASK_MOD, the device functions
+    the switches FA_SCORE_MOD, FA_SCORE_MOD_GRAD (backward; neither for an identity modifier, which
+    leaves the kernel's fast path: sinks alone), FA_SINKS, FA_MASK_MOD, the device functions
     (FA_MOD_FUNCS) and the buffers as kernel parameters and call arguments (FA_SM_* with prefix sm_,
     FA_MM_* with prefix mm_, so that no buffer name meets a kernel variable). () with neither: the
     module is the one without modifiers. ValueError for a backward through a forward-only modifier."""
@@ -553,14 +568,16 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
     opts, funcs = [], []
     if score_mod is not None:
         where = f"score_mod {score_mod.name!r}"
-        opts.append("-DFA_SCORE_MOD=1")
-        funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(score_mod.cuda, where), score_mod.buffers))
-        if backward:
-            if not score_mod.has_grad:
-                raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
-            opts.append("-DFA_SCORE_MOD_GRAD=1")
-            funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(score_mod.cuda_grad, where),
-                                  score_mod.buffers))
+        if backward and not score_mod.has_grad:
+            raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
+        if not score_mod.is_identity:        # the identity (sinks alone): no FA_SCORE_MOD, the fast path
+            opts.append("-DFA_SCORE_MOD=1")
+            funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(score_mod.cuda, where), score_mod.buffers,
+                                  floats=True))
+            if backward:
+                opts.append("-DFA_SCORE_MOD_GRAD=1")
+                funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(score_mod.cuda_grad, where),
+                                      score_mod.buffers, floats=True))
         if score_mod.sink is not None:
             opts.append("-DFA_SINKS=1")
         opts += _buffer_macros("SM", "sm_", score_mod.buffers)

@@ -2,6 +2,7 @@
 the Numba variants under the CUDA simulator against the oracle, and a user's modifier with a
 deliberately wrong NumPy twin that the fuzzer must catch. Tiny shapes and few examples: fast on CI."""
 import math
+import re
 
 import numpy as np
 import pytest
@@ -347,7 +348,7 @@ def test_twin_checks_pass_for_every_builtin():
 
 def test_cuda_text_renders_a_device_function():
     text = modifiers.relative_bias(np.zeros((2, 5)), 2).cuda_function()
-    assert "__device__ __forceinline__ float score_mod(float s, int b, int h, int i, int j, " \
+    assert "__device__ __forceinline__ float score_mod(float s, int b, int h, int i, int j, float fi, float fj, " \
            "const float* __restrict__ table, int table_shape0, int table_shape1)" in text
     assert "score_mod_grad" in text
     assert modifiers.softcap(1.0).cuda_key == modifiers.softcap(2.0).cuda_key    # buffers are data, not text
@@ -406,7 +407,9 @@ def test_cuda_text_of_every_builtin_compiles_with_nvrtc():
     from sandbox import loader
     rng = np.random.default_rng(0)
     mods = [f(rng, 2, 2, 5, 6) for f in fuzz.SCORE_MODS + fuzz.MASK_MODS] + [quadratic()]
-    text = "".join(f"namespace m{n} {{\n{m.cuda_function()}}}\n" for n, m in enumerate(mods))
+    helpers = re.search(r"__device__ __forceinline__ float fa_tanh.*?\n}\n", loader.source_text("tc_mods.cuh"),
+                        re.S).group(0)                           # what the kernels give a modifier's text
+    text = helpers + "".join(f"namespace m{n} {{\n{m.cuda_function()}}}\n" for n, m in enumerate(mods))
     loader._nvrtc_build("modifiers.cu", text, ["-std=c++17"], (), "sm_90")
     broken = ScoreMod("broken", _quad_np, _quad_scalar, "s - alpha[0] * (j - i) *", buffers={"alpha": [0.1]})
     with pytest.raises(RuntimeError, match="NVRTC failed"):

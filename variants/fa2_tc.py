@@ -39,6 +39,7 @@ LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]  # H100/H200 per-block opt-in maximum
 CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 ITEMSIZE = 2
+MAX_FLOAT_POSITION = 2 ** 24     # i, j as floats (a score modifier's fi, fj) are exact up to here
 
 
 def d_pad(d: int) -> int:
@@ -329,6 +330,9 @@ class FA2TensorCore:
                 modifiers.cuda_buffers(mod)
         if problem.score_mod is not None or problem.mask_mod is not None:
             ModKernel.of(problem, direction in ("backward", "both"))
+        if problem.score_mod is not None and max(problem.Nq, problem.Nk) > MAX_FLOAT_POSITION:
+            errs.append(f"a score modifier sees positions as floats fi, fj (kernels_cu/tc_mods.cuh), exact up to "
+                        f"{MAX_FLOAT_POSITION}; Nq = {problem.Nq}, Nk = {problem.Nk}")
         if errs:
             raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
