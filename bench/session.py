@@ -4,7 +4,8 @@ Parts (--parts, default all four; tests and sanitize run side by side, then benc
   tests     `pytest -m gpu tests` (pytest-xdist workers when installed, else one process; Hypothesis
             profile gpu with --examples examples per fuzz test, each fuzz pair in --shards shards):
             pytest.log, fuzz.json (the oracle-checked example counts of every worker, added up)
-  sanitize  compute-sanitizer memcheck and racecheck on one small case (B = 1, H = 2, N = 70, causal)
+  sanitize  compute-sanitizer memcheck and racecheck on one small case (B = 1, H = 2, N = 70, causal;
+            N = max_query_rows for a variant with fewer, e.g. a decoding kernel)
             per configuration of every CUDA variant: its defaults at d = 40, forward + backward where it
             has one, and at d = 128 with the backward; its bench_configs (forward ones forward, bwd_*
             ones with the backward, at the same head dims; --sanitize-configs defaults leaves them out),
@@ -45,6 +46,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from sandbox.registry import all_variants, parse_spec
+
 from . import FAMILIES, selection
 from .common import UsageError, missing_for_gpu_families, parse_variant
 
@@ -55,6 +58,15 @@ DEFAULT_FAMILIES = ("run", "grid", "softmax", "dropout")
 SANITIZE_CASE = ["--batch", "1", "--heads", "2", "--seqlen", "70", "--reps", "1", "--no-baselines", "--causal"]
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy")
 MARGIN_S = 30          # left for the summary and the archive under --time-limit
+
+
+def sanitize_case(spec: str) -> list[str]:
+    """SANITIZE_CASE for one variant: N = 70, or the variant's max_query_rows where that is fewer
+    (`sandbox run` uses N query rows and N keys; a decoding kernel refuses more rows)."""
+    rows = all_variants()[parse_spec(spec)[0]].caps.max_query_rows
+    at = SANITIZE_CASE.index("--seqlen") + 1
+    n = int(SANITIZE_CASE[at]) if rows is None else min(int(SANITIZE_CASE[at]), rows)
+    return SANITIZE_CASE[:at] + [str(n)] + SANITIZE_CASE[at + 1:]
 
 
 def add_arguments(ap):
@@ -279,7 +291,7 @@ def run_sanitizer(s: Session):
     def one(i, tool, spec, d, backward):
         log = logs / f"{i:02d}-{tool}.log"
         cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "9", sys.executable, "-m", "sandbox", "run",
-               "--variants", spec, "--headdim", str(d), *SANITIZE_CASE] + (["--backward"] if backward else [])
+               "--variants", spec, "--headdim", str(d), *sanitize_case(spec)] + (["--backward"] if backward else [])
         rc = s.run(cmd, log)
         text = "" if s.args.dry_run else log.read_text(errors="replace")
         m = re.search(r"(ERROR SUMMARY|RACECHECK SUMMARY).*", text)

@@ -130,6 +130,8 @@ def cmd_list(args):
     for v in variants():
         caps = v["capabilities"]
         feats = [f for f in ("backward", "causal", "window", "block_sparse", "dropout", "gqa", "score_mod", "mask_mod") if caps[f]]
+        if caps.get("max_query_rows") is not None:
+            feats.append(f"Nq<={caps['max_query_rows']}")
         params = ", ".join(f"{k}∈{p['choices']}" for k, p in v["params"].items()) or "-"
         rows.append((v["name"], v["family"], v["backend"], "/".join(caps["dtypes"]), caps["head_dims"],
                      " ".join(feats), params))

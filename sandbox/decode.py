@@ -381,6 +381,23 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
     return (out.to(q.dtype) if xp.__name__ == "torch" else out.astype(q.dtype)), lse
 
 
+def oracle_verdicts(out, lse, q, k, v, dtype: str, causal=False, window=None, scale=None) -> list:
+    """[out verdict, lse verdict] of one sequence's result under the tolerance rule (sandbox/tolerance.py),
+    as fuzz.check_case compares every variant: out (1, Hq, Nq, d), lse (1, Hq, Nq) on the host, against
+    the float64 oracle on the host inputs q (1, Hq, Nq, d) and the sequence's L keys k, v (1, Hkv, L, d);
+    16-bit dtypes with the oracle in the same precision as the naive reference (tensor-core tier),
+    float32 with the bound of the terms (exact tier)."""
+    from . import oracle, tolerance
+    kw = dict(causal=causal, window=window, scale=scale)
+    refs = oracle.forward(q, k, v, **kw)
+    if dtype == "float32":
+        naives, terms = (None, None), oracle.term_bounds(np.zeros(np.shape(q)), q, k, v, **kw)
+    else:
+        naives, terms = oracle.forward(q, k, v, precision=dtype, **kw), {}
+    return [tolerance.compare(name, np.asarray(got, np.float64), ref, dtype, naive, name, terms.get(name, 0.0))
+            for name, got, ref, naive in zip(("out", "lse"), (out, lse), refs, naives)]
+
+
 def _chunk_window(lo: int, hi: int, delta: int):
     """The sequence's band (relative_band) as the window of a chunk whose last key is `delta` keys
     before the sequence's end: with the chunk's own bottom-right alignment the band moves by delta."""

@@ -100,7 +100,8 @@ MASK_MODS = (
 
 
 def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods=None, mask_mods=None):
-    """Hypothesis strategy of Cases within `bound`'s capabilities and `limits`.
+    """Hypothesis strategy of Cases within `bound`'s capabilities and `limits` (Nq at most
+    caps.max_query_rows where the variant has one).
 
     score_mods / mask_mods: modifier factories (rng, B, Hq, Nq, Nk) -> modifier. None: the built-ins
     (SCORE_MODS, MASK_MODS), drawn in about half the cases where the variant has the capability;
@@ -112,11 +113,15 @@ def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods
     # 16-bit inputs: keep fp16 scores finite; fp32 gets genuinely large logits.
     big = 30.0 if dtype == "float32" else 4.0
 
+    # query rows within the variant's envelope (decoding kernels: caps.max_query_rows), keys any length
+    max_q = limits.max_n if caps.max_query_rows is None else max(1, min(limits.max_n, caps.max_query_rows))
+
+    def lengths(top):
+        return st.one_of(st.integers(1, min(8, top)), st.integers(1, top))
+
     @st.composite
     def build(draw):
-        n_small = st.integers(1, min(8, limits.max_n))
-        length = st.one_of(n_small, st.integers(1, limits.max_n))
-        Nq, Nk, d = draw(length), draw(length), draw(st.sampled_from(dims))
+        Nq, Nk, d = draw(lengths(max_q)), draw(lengths(limits.max_n)), draw(st.sampled_from(dims))
         heads = draw(st.sampled_from([1, 2, 3, 4]))
         group = draw(st.sampled_from([1, 2, heads])) if caps.gqa else 1
         Hkv = max(1, heads // group) if heads % group == 0 else heads

@@ -68,6 +68,7 @@ class Capabilities:
     head_dims: tuple = tuple(range(1, 257))
     score_mod: bool = False    # score modifiers, sinks included (sandbox/modifiers.py), forward and backward
     mask_mod: bool = False     # mask modifiers (predicates of b, h, i, j), fully masked tiles skipped
+    max_query_rows: int | None = None   # most query rows Nq per problem (decoding kernels); None: any
 
     def summary(self) -> dict:
         dims = self.head_dims
@@ -76,7 +77,8 @@ class Capabilities:
                 "block_sparse": self.block_sparse, "dropout": self.dropout, "gqa": self.gqa,
                 "score_mod": self.score_mod, "mask_mod": self.mask_mod,
                 "dtypes": list(self.dtypes),
-                "head_dims": f"{dims[0]}..{dims[-1]}" if contiguous else list(dims)}
+                "head_dims": f"{dims[0]}..{dims[-1]}" if contiguous else list(dims),
+                "max_query_rows": self.max_query_rows}
 
 
 TAGS = {
@@ -181,6 +183,8 @@ class BoundVariant:
             missing.append("dropout")
         if problem.Hq != problem.Hkv and not caps.gqa:
             missing.append("GQA/MQA (Hq != Hkv)")
+        if caps.max_query_rows is not None and problem.Nq > caps.max_query_rows:
+            missing.append(f"Nq={problem.Nq} query rows (max_query_rows={caps.max_query_rows})")
         if problem.score_mod is not None and not caps.score_mod:
             missing.append("score modifiers (score_mod)")
         if problem.mask_mod is not None and not caps.mask_mod:

@@ -11,12 +11,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from bench import FAMILIES, grid, harness, selection, session
 from bench.gpu_summary import parse_ncu_details, summarize
 from sandbox import registry
 from sandbox.device import has_gpu
+from sandbox.problem import make_problem
 from sandbox.registry import Capabilities, Param, Variant
 
 from cli_helpers import ROOT, one_error_line
@@ -266,6 +268,31 @@ def test_sanitizer_cases_cover_every_cuda_variant():
         assert (name, small, v.caps.backward) in mine
         assert ((name, 128, True) in mine) == v.caps.backward
         assert len(mine) >= 1 + len(v.bench_configs)
+
+
+def test_sanitizer_case_sizes_within_max_query_rows():
+    """`sandbox run` takes N query rows and N keys: a variant with max_query_rows (a decoding kernel)
+    is sanitized at N = max_query_rows where that is below the case's 70, every other at 70."""
+    for name, v in registry.all_variants().items():
+        if v.backend != "cuda":
+            continue
+        args = session.sanitize_case(name)
+        n = int(args[args.index("--seqlen") + 1])
+        assert n == (70 if v.caps.max_query_rows is None else min(70, v.caps.max_query_rows)), name
+        assert args[:args.index("--seqlen")] == session.SANITIZE_CASE[:args.index("--seqlen")]
+    v = Variant("zz-rows", "fa2", "cuda", "test variant", impl=DummyImpl(),
+                caps=Capabilities(dtypes=("float16",), head_dims=(64,), max_query_rows=4), tags=("decode",))
+    registry.all_variants()
+    registry.register(v)
+    x = np.zeros((1, 1, 5, 64), np.float16)
+    try:
+        args = session.sanitize_case("zz-rows")
+        assert args[args.index("--seqlen") + 1] == "4"
+        assert ("zz-rows", 64, True) in session.sanitizer_cases()
+        with pytest.raises(ValueError, match=r"Nq=5 query rows \(max_query_rows=4\)"):
+            v.bind().check(make_problem(x, x, x))
+    finally:
+        registry._REGISTRY.pop(v.name, None)
 
 
 NCU_DETAILS = """==PROF== Connected to process 1

@@ -192,10 +192,56 @@ def test_variant_refuses_more_than_16_rows_and_is_listed():
     from sandbox.problem import make_problem
     bound = sandbox.get_variant("decode-splitkv")
     q, k = np.zeros((1, 4, 17, 64), np.float16), np.zeros((1, 2, 40, 64), np.float16)
-    with pytest.raises(ValueError, match="Nq=17"):
+    with pytest.raises(ValueError, match=r"Nq=17 query rows \(max_query_rows=16\)"):
         bound.check(make_problem(q, k, k), "forward")
+    assert bound.variant.caps.max_query_rows == decode.KERNEL_MAX_NQ == 16
     with pytest.raises(ValueError, match="float32"):
         bound.check(make_problem(q[:, :, :3].astype(np.float32), k.astype(np.float32), k.astype(np.float32)))
     bound.check(make_problem(q[:, :, :16], k, k, causal=True, window=(8, 0)))
     row = next(r for r in sandbox.variants() if r["name"] == "decode-splitkv")
     assert row["tags"] == ["decode"] and row["capabilities"]["backward"] is False
+    assert row["capabilities"]["max_query_rows"] == 16
+    assert all(r["capabilities"]["max_query_rows"] is None for r in sandbox.variants() if r["name"] != "decode-splitkv")
+
+
+def test_fuzz_draws_query_rows_within_max_query_rows():
+    """The registry-wide fuzz (tests/test_gpu_variants.py) draws Nq <= max_query_rows for a variant
+    that has one, keys of any length; every drawn case passes the variant's checks."""
+    from hypothesis import given, settings
+    import sandbox
+    from sandbox import fuzz
+    from sandbox.problem import make_problem
+    bound = sandbox.get_variant("decode-splitkv")
+    seen = set()
+
+    @settings(max_examples=150, database=None, derandomize=True)
+    @given(fuzz.cases(bound, "float16"))
+    def draw(case):
+        assert 1 <= case.Nq <= 16
+        q = np.zeros((case.B, case.Hq, case.Nq, case.d), np.float16)
+        k = np.zeros((case.B, case.Hkv, case.Nk, case.d), np.float16)
+        bound.check(make_problem(q, k, k, **case.options), "forward")
+        seen.add((case.Nq, case.Nk > 16))
+    draw()
+    assert {n for n, _ in seen} >= {1, 16} and any(long for _, long in seen)
+
+
+def test_oracle_verdicts_use_the_same_precision_naive():
+    """The GPU tests' comparison (decode.oracle_verdicts): 16-bit results under the tensor-core tier
+    with the oracle in the kernel's precision as the naive reference (tolerance.compare refuses a
+    16-bit comparison without one); the oracle's answer rounded to the dtype passes, and an answer
+    off by a few ulps of its magnitude fails."""
+    from sandbox.precision import EPS, numpy_dtype
+    rng = np.random.default_rng(3)
+    for dtype in ("float16", "bfloat16"):
+        npdt = numpy_dtype(dtype)
+        q = rng.standard_normal((1, 8, 3, 64)).astype(npdt)
+        k, v = (rng.standard_normal((1, 2, 300, 64)).astype(npdt) for _ in range(2))
+        ref_o, ref_l = oracle.forward(q, k, v, causal=True, window=(100, None))
+        good = decode.oracle_verdicts(ref_o.astype(npdt), ref_l.astype(np.float32), q, k, v, dtype, True, (100, None))
+        assert [v_.name for v_ in good] == ["out", "lse"] and all(v_.ok for v_ in good), good
+        bad_o = ref_o + 8 * EPS[dtype] * np.abs(ref_o).max()
+        bad = decode.oracle_verdicts(bad_o.astype(npdt), ref_l.astype(np.float32), q, k, v, dtype, True, (100, None))
+        assert not bad[0].ok and bad[1].ok
+    with pytest.raises(ValueError, match="naive"):
+        tolerance.compare("out", ref_o, ref_o, "bfloat16")

@@ -28,9 +28,11 @@ def _dtype(name, prefer=("float16", "bfloat16", "float32")):
 
 
 def _shape(name, n=160, d=64):
+    """(q shape, k shape): n keys, and n query rows or the variant's max_query_rows if fewer."""
     caps = all_variants()[name].caps
     d = d if d in caps.head_dims else caps.head_dims[-1]
-    return (2, 4, n, d), (2, 2 if caps.gqa else 4, n, d)
+    nq = n if caps.max_query_rows is None else min(n, caps.max_query_rows)
+    return (2, 4, nq, d), (2, 2 if caps.gqa else 4, n, d)
 
 
 def _inputs(name, dtype, seed=0, n=160):

@@ -106,15 +106,20 @@ def test_dropout_mask_is_bit_exact(name, dtype, rounds, store):
 def test_array_types_and_strides(name):
     import cupy as cp
     bound = get_variant(name)
-    dtype = bound.variant.caps.dtypes[0]
+    caps = bound.variant.caps
+    dtype = caps.dtypes[0]
     # 16-bit: |out| < 4 here, where an fp16 ulp is <= 2**-9; P is rounded to fp16 before P V
     atol = 1e-5 if dtype == "float32" else 1e-2
+    d = 32 if 32 in caps.head_dims else min(caps.head_dims)              # within the variant's envelope
+    nq = 40 if caps.max_query_rows is None else min(40, caps.max_query_rows)   # the last nq rows query
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 40, 3, 3 * 32)).astype(dtype)          # (B, N, H, 3 d): a packed QKV layout
-    q, k, v = (np.transpose(x[..., i * 32:(i + 1) * 32], (0, 2, 1, 3)) for i in range(3))
+    x = rng.standard_normal((2, 40, 3, 3 * d)).astype(numpy_dtype(dtype))   # (B, N, H, 3 d): a packed QKV layout
+    q, k, v = (np.transpose(x[:, 40 - nq:, :, :d] if i == 0 else x[..., i * d:(i + 1) * d], (0, 2, 1, 3))
+               for i in range(3))
     ref, _ = sandbox.oracle.forward(q, k, v, causal=True)
     xc = cp.asarray(x)
-    qc, kc, vc = (cp.transpose(xc[..., i * 32:(i + 1) * 32], (0, 2, 1, 3)) for i in range(3))
+    qc, kc, vc = (cp.transpose(xc[:, 40 - nq:, :, :d] if i == 0 else xc[..., i * d:(i + 1) * d], (0, 2, 1, 3))
+                  for i in range(3))
     out = sandbox.attention(qc, kc, vc, variant=bound, causal=True)            # strided views, no copies
     assert isinstance(out, cp.ndarray)
     np.testing.assert_allclose(out.get().astype(np.float64), ref, atol=atol)
@@ -128,7 +133,9 @@ def test_array_types_and_strides(name):
 @pytest.mark.parametrize("name", sorted(n for n, v in all_variants().items() if v.backend == "cuda"))
 def test_device_arrays_strided_along_d_are_rejected(name):
     import cupy as cp
-    q = cp.zeros((1, 1, 4, 8), get_variant(name).variant.caps.dtypes[0])
+    caps = get_variant(name).variant.caps
+    d = 8 if 8 in caps.head_dims else min(caps.head_dims)                # within the variant's envelope
+    q = cp.zeros((1, 1, 4, d), numpy_dtype(caps.dtypes[0]))
     q_t = cp.ascontiguousarray(q.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
     with pytest.raises(ValueError, match="unit stride along d"):
         sandbox.attention(q_t, q, q, variant=name)

@@ -7,7 +7,8 @@ kernel's contiguous form for the public API: a few query rows (Nq <= 16) against
 length, every batch entry with all Nk keys; causal and window bottom-right aligned as everywhere.
 The paged cache, per-sequence lengths and the in-place append are sandbox.decode's, which runs the
 same kernel (`decode.splitkv`) and keeps the launch code; this module adds the registration, the
-compile units (every instantiation, so the compile gate covers them) and the envelope checks.
+compile units (every instantiation, so the compile gate covers them) and the envelope: Nq <= 16 is
+the capability `max_query_rows` (the registry refuses more, and the fuzz strategy draws within it).
 Forward only. Status: compile-checked on the CPU; GPU results in bench/results/<gpu>/decode.md.
 """
 from __future__ import annotations
@@ -44,11 +45,6 @@ class DecodeSplitKV:
         on sm_80 (none on sm_90; compile report of 2026-11-23)."""
         return unit is None or not unit.label.endswith("D=256]")
 
-    def check(self, problem, config, direction):
-        if problem.Nq > decode.KERNEL_MAX_NQ:
-            raise ValueError(f"variant 'decode-splitkv' runs at most {decode.KERNEL_MAX_NQ} query rows (decoding); "
-                             f"got Nq={problem.Nq}")
-
     def forward(self, p, q, k, v, config):
         import cupy as xp
         decode.check_kv_alignment(k, "k")
@@ -62,7 +58,8 @@ register(Variant(
     description="split-KV decoding: keys split over the grid, GQA rows packed per K/V head, log-sum-exp merge",
     impl=DecodeSplitKV(),
     caps=Capabilities(backward=False, causal=True, window=True, block_sparse=False, dropout=False, gqa=True,
-                      dtypes=tuple(decode.KERNEL_CTYPE), head_dims=decode.KERNEL_HEAD_DIMS),
+                      dtypes=tuple(decode.KERNEL_CTYPE), head_dims=decode.KERNEL_HEAD_DIMS,
+                      max_query_rows=decode.KERNEL_MAX_NQ),
     seed_ref="Flash-Decoding (split-KV + log-sum-exp merge) over FA2 Sec. 2.3.1 / 3.1, FA1 split-K warps (FA2 Sec. 3.3)",
     tags=("decode",),
 ))
