@@ -29,7 +29,7 @@
 // normalised partial O (fp32) and lse. K/V rows need 16-byte alignment (checked on the host).
 //
 // Kernels
-//   decode_splitkv<T, D, ROWS>   grid (S splits, Hkv * ceil(G * Nq / ROWS), B), 128 threads.
+//   decode_splitkv<T, D, ROWS, PIPE>   grid (S splits, Hkv * ceil(G * Nq / ROWS), B), 128 threads.
 //       Split s of sequence b covers keys [s * chunk, min(L_b, (s + 1) * chunk)), further cut to the
 //       keys some row can see (causal and window as a band, bottom-right aligned per sequence:
 //       query i sees key j iff lo <= j - i - (L_b - Nq) <= hi, flash-attn's kvcache alignment); a
@@ -43,6 +43,20 @@
 // into an illegal access). NaN: a NaN score makes its rows' out and lse NaN (fmaxf drops NaN from the
 // running max, exp2 of it is NaN in l); dead rows (no visible key) give out 0, lse -inf.
 //
+// Speed changes (2026-11, predictions; old H100 numbers: B = 1 N = 256k 68% of copy, B = 8 N = 256k 80%):
+//  1. PIPE = 1 (default; PIPE = 0 is the old register path, SANDBOX_DECODE_PIPE=0 selects it): a
+//     4-stage private cp.async ring, 3 iterations (3 x 8 KB per block at ROWS = 4) in flight while the
+//     block computes instead of none; ROWS = 4 at <= 128 registers (launch bounds) -> 4 blocks / SM,
+//     ~96 KB of loads outstanding per SM (was <= 48 KB, and only between computes). Predicted: every
+//     memory-bound row (B = 8, 64; B = 1 N >= 32k) at >= 85-90% of copy.
+//  2. Page indices read one iteration before their copies are issued (PIPE): paged within ~5% of
+//     contiguous (was 10-15% behind).
+//  3. plan_splits (sandbox/decode.py) fills whole waves of resident blocks (occupancy from the
+//     compiled kernel's registers / shared memory): B = 1 N = 256k 66 splits x 8 = 528 blocks on 528
+//     slots (was 528 blocks on 396: a last wave a third full); predicted +20-30% at B = 1, N >= 32k.
+// Resources (NVRTC, sm_90, after 1-3): PIPE = 1: ROWS = 4: 128 registers, 32.8 KB static shared
+// (4 blocks / SM), ROWS = 8: 241-255; ROWS = 16 only PIPE = 0; PIPE = 0 ROWS = 4: 158-161 (3 blocks
+// / SM); no spills except D = 256 ROWS = 16 on sm_80 (untuned). Before:
 // Resources (NVRTC, sm_90): ROWS = 4: 168 registers (3 blocks / SM), ROWS = 8: 246-254, ROWS = 16:
 // 247-253 (q in shared memory), no spills; merge: 32 registers.
 // Status: compiled and resource-checked on the CPU only; not yet run on a GPU: correctness
@@ -54,6 +68,9 @@
 #define DEC_LN2 0.6931471805599453f          // lse = ln 2 * (m + log2 l): the loop works in log2 units
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
+#ifndef DEC_PIPE_MIN_BLOCKS
+#define DEC_PIPE_MIN_BLOCKS 4                  // PIPE, ROWS = 4: <= 128 registers, 4 blocks (16 warps) per SM
+#endif
 
 // ---- device helpers
 
@@ -77,22 +94,53 @@ __device__ __forceinline__ float elem_to_float(__nv_bfloat16 x) { return __bfloa
 __device__ __forceinline__ void store_elem(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void store_elem(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
-// Loop shape per head dim and row tile: keys per warp step and unrolled steps (loads in flight).
-template <int D, int ROWS>
+// Loop shape per head dim, row tile and load path: keys per warp step and steps per iteration.
+// PIPE = 0: the register path (UNROLL steps of K and V loaded into registers, then used; nothing in
+// flight while the block computes). PIPE = 1: the cp.async path (sm_80+): each thread streams its own
+// 16-byte K and V vectors into a private STAGES-deep ring in shared memory, STAGES - 1 iterations
+// ahead of the one it computes on (no __syncthreads: a thread reads only what it copied itself).
+template <int D, int ROWS, int PIPE>
 struct DecodeShape {
     static constexpr int LANES_PER_KEY = D / 8;                     // 16-byte vectors per key row
     static constexpr int KEYS_PER_STEP = 32 / LANES_PER_KEY;        // keys a warp covers per load
-    static constexpr int UNROLL = ROWS <= 4 ? 4 : (ROWS == 8 ? 2 : 1);   // K and V load steps in flight (registers)
+    static constexpr int UNROLL = PIPE ? (ROWS <= 8 ? 2 : 1)        // steps per iteration
+                                       : (ROWS <= 4 ? 4 : (ROWS == 8 ? 2 : 1));   // register path: loads in flight
+    static constexpr int STAGES = PIPE ? 4 : 0;                     // ring depth (iterations) of the cp.async path
     static constexpr int KEYS_PER_ITER = DEC_WARPS * KEYS_PER_STEP * UNROLL;
     static constexpr bool Q_IN_SMEM = ROWS > 8;                     // registers: ROWS * 8 q + ROWS * 8 acc
+    static constexpr int RING_BYTES = STAGES * UNROLL * 2 * DEC_THREADS * 16;
+    static constexpr int RED_BYTES = ROWS * D * 4;                  // the block merge's O (aliases the ring)
+    static constexpr int POOL_BYTES = RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES;
     static_assert(D == 64 || D == 128 || D == 256, "head dim D must be 64, 128 or 256");
     static_assert(ROWS == 4 || ROWS == 8 || ROWS == 16, "ROWS (query rows per tile) must be 4, 8 or 16");
+    static_assert(PIPE == 0 || PIPE == 1, "PIPE must be 0 (registers) or 1 (cp.async ring)");
 };
+
+// 16 bytes global -> shared, asynchronous; src_bytes 0 fills zeros (a key past the split's end).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(sa), "l"(gmem), "r"(src_bytes) : "memory");
+#else
+    *reinterpret_cast<uint4*>(smem) = src_bytes ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
+}
 
 // ---- kernels
 
-template <typename T, int D, int ROWS>
-__global__ void __launch_bounds__(DEC_THREADS) decode_splitkv(
+template <typename T, int D, int ROWS, int PIPE>
+__global__ void __launch_bounds__(DEC_THREADS, ROWS == 4 ? (PIPE ? DEC_PIPE_MIN_BLOCKS : 3) : 1) decode_splitkv(
     const T* __restrict__ q, long long q_sb, long long q_sh, long long q_sn,  // [B, Hq, Nq, D], unit stride in D
     const T* __restrict__ k, long long k_s0, long long k_sh, long long k_sn,  // [B, Hkv, Nmax, D] or [pages, Hkv, page, D]
     const T* __restrict__ v, long long v_s0, long long v_sh, long long v_sn,  // as k (own strides)
@@ -103,9 +151,12 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_splitkv(
     float* __restrict__ o_part,                                               // [B, Hq, Nq, S, D] normalised partial O
     float* __restrict__ lse_part,                                             // [B, Hq, Nq, S] natural log
     int Hq, int Hkv, int Nq, int chunk, float scale_log2, int band_lo, int band_hi) {
-    using Shape = DecodeShape<D, ROWS>;
+    using Shape = DecodeShape<D, ROWS, PIPE>;
     constexpr int LPK = Shape::LANES_PER_KEY, KPS = Shape::KEYS_PER_STEP, U = Shape::UNROLL;
-    __shared__ float red_o[ROWS][D];                  // the warps' O, summed after rescaling to the block max
+    constexpr int KPI = Shape::KEYS_PER_ITER, STAGES = Shape::STAGES;
+    __shared__ __align__(16) unsigned char pool[Shape::POOL_BYTES];  // the K/V ring (PIPE), then red_o
+    float (*red_o)[D] = reinterpret_cast<float (*)[D]>(pool);       // the warps' O, summed after rescaling
+    uint4* ring = reinterpret_cast<uint4*>(pool);     // [STAGES][U][K, V][DEC_THREADS]: a thread's own slots
     __shared__ float red_m[DEC_WARPS][ROWS];
     __shared__ float red_l[ROWS];
     __shared__ __align__(16) float q_sm[Shape::Q_IN_SMEM ? ROWS : 1][D];
@@ -156,9 +207,64 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_splitkv(
     const int* table = paged ? block_table + b * table_stride : block_table;
     const int page_mask = (1 << page_shift) - 1;
 
-    for (long long base = k0; base < k1; base += Shape::KEYS_PER_ITER) {
+    // PIPE: page indices of the iteration issued next, read one iteration before its copies (the
+    // block-table load never sits between the issue of two K/V copies)
+    int pg[PIPE ? U : 1];
+    auto load_pages = [&](int it) {
+#pragma unroll
+        for (int u = 0; u < (PIPE ? U : 1); ++u) {
+            const long long j = k0 + (long long)it * KPI + (u * DEC_WARPS + warp) * KPS + kg;
+            int page = j < k1 ? table[j >> page_shift] : 0;
+            pg[u] = (unsigned)page < (unsigned)num_pages ? page : 0;   // never outside the cache
+        }
+    };
+    auto issue = [&](int it) {                        // iteration it's K and V vectors into its ring slot
+        uint4* slot = ring + (it % (STAGES ? STAGES : 1)) * (U * 2 * DEC_THREADS) + threadIdx.x;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long long j = k0 + (long long)it * KPI + (u * DEC_WARPS + warp) * KPS + kg;
+            const bool ok = j < k1;
+            long long ko = 0, vo = 0;
+            if (ok) {
+                if (paged) {
+                    const long long off = j & page_mask;
+                    ko = (long long)pg[PIPE ? u : 0] * k_s0 + off * k_sn;
+                    vo = (long long)pg[PIPE ? u : 0] * v_s0 + off * v_sn;
+                } else {
+                    ko = j * k_sn;
+                    vo = j * v_sn;
+                }
+            }
+            cp_async16(slot + (u * 2) * DEC_THREADS, kb + ko, ok ? 16 : 0);
+            cp_async16(slot + (u * 2 + 1) * DEC_THREADS, vb + vo, ok ? 16 : 0);
+        }
+        cp_async_commit();
+    };
+    if constexpr (PIPE) {                             // prologue: STAGES - 1 iterations in flight
+        if (paged) load_pages(0);
+#pragma unroll
+        for (int p = 0; p < STAGES - 1; ++p) {
+            issue(p);
+            if (paged) load_pages(p + 1);
+        }
+    }
+
+    int it = 0;                                       // PIPE: the iteration computed on
+    for (long long base = k0; base < k1; base += KPI, ++it) {
         uint4 kv[U], vv[U];
         int key[U];
+        if constexpr (PIPE) {
+            issue(it + STAGES - 1);                   // keys past k1: zero-filled, never read
+            if (paged) load_pages(it + STAGES);
+            cp_async_wait<STAGES - 1>();              // this thread's copies of iteration it have landed
+            const uint4* slot = ring + (it % STAGES) * (U * 2 * DEC_THREADS) + threadIdx.x;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                key[u] = (int)(base + (u * DEC_WARPS + warp) * KPS + kg);
+                kv[u] = slot[(u * 2) * DEC_THREADS];
+                vv[u] = slot[(u * 2 + 1) * DEC_THREADS];
+            }
+        } else {
 #pragma unroll
         for (int u = 0; u < U; ++u) {                 // every load of the iteration issued before any use
             const long long j = base + (long long)(u * DEC_WARPS + warp) * KPS + kg;
@@ -180,6 +286,7 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_splitkv(
                 kv[u] = __ldg(reinterpret_cast<const uint4*>(kb + ko));
                 vv[u] = __ldg(reinterpret_cast<const uint4*>(vb + vo));
             }
+        }
         }
         float sc[U][ROWS];
 #pragma unroll
@@ -247,7 +354,12 @@ __global__ void __launch_bounds__(DEC_THREADS) decode_splitkv(
             for (int e = 0; e < 8; ++e) acc[r][e] += __shfl_xor_sync(0xffffffffu, acc[r][e], o);
         }
     }
-    // the block: rescale every warp to the block's max, then sum in shared memory
+    // the block: rescale every warp to the block's max, then sum in shared memory (PIPE: red_o is
+    // the ring's memory: every copy landed (the tail's zero fills too) and every thread done reading)
+    if constexpr (PIPE) {
+        cp_async_wait<0>();
+        __syncthreads();
+    }
     for (int x = threadIdx.x; x < ROWS * D; x += DEC_THREADS) red_o[x / D][x % D] = 0.0f;
     if (threadIdx.x < ROWS) red_l[threadIdx.x] = 0.0f;
     if (lane == 0) {

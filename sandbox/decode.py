@@ -39,6 +39,7 @@ Two paths, the same semantics (tests/test_decode.py, tests/test_decode_gpu.py):
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 
@@ -129,18 +130,24 @@ KERNEL_CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 KERNEL_HEAD_DIMS = (64, 128, 256)
 KERNEL_MAX_NQ = 16
 ROW_TILES = (4, 8, 16)            # ROWS of decode_splitkv: query rows (G * Nq, GQA packed) per block
+PIPES = (1, 0)                    # PIPE of decode_splitkv: 1 the cp.async ring (default), 0 the register path
+DEFAULT_PIPE = int(os.environ.get("SANDBOX_DECODE_PIPE", "1"))   # 0: fall back to the register path
 WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
-MIN_KEYS_PER_SPLIT = 256          # below this a split's fixed cost (q load, block merge, partial write) dominates
+MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
 MAX_SPLITS = 256
-BLOCKS_PER_SM_TARGET = 4          # resident blocks per SM the split count aims at (3 fit at ROWS = 4, 168 registers)
+SPLIT_OVERHEAD_KEYS = 128         # a block's fixed cost (launch, q, block merge, partial O) in keys streamed
+BLOCKS_PER_SM_TARGET = 3          # resident blocks per SM assumed without a compiled kernel to ask
 DEFAULT_SM_COUNT = 132            # an H100 SXM's, for planning without a GPU
 
 
-def keys_per_iter(d: int, rows: int) -> int:
+def keys_per_iter(d: int, rows: int, pipe: int = 1) -> int:
     """Keys one block consumes per loop iteration (DecodeShape::KEYS_PER_ITER): 4 warps x
     32 / (d / 8) keys per step x UNROLL steps."""
-    unroll = 4 if rows <= 4 else (2 if rows == 8 else 1)
+    if pipe and rows < 16:
+        unroll = 2
+    else:
+        unroll = 4 if rows <= 4 else (2 if rows == 8 else 1)
     return WARPS * (32 // (d // 8)) * unroll
 
 
@@ -150,35 +157,69 @@ def row_tile(rows: int) -> int:
 
 
 def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int | None = None,
-                num_splits: int | None = None) -> tuple[int, int]:
+                num_splits: int | None = None, blocks_per_sm: int | None = None,
+                pipe: int = 1) -> tuple[int, int]:
     """(splits S, keys per split `chunk`) for the kernel's grid (S, Hkv * row tiles, B).
 
-    Decoding is memory-bound: the grid must fill the GPU with enough blocks for the bytes in flight
-    even when B * Hkv is small (B = 1: 8 blocks for 132 SMs without splits). S is the smallest count
-    that gives BLOCKS_PER_SM_TARGET blocks per SM, but no split shorter than MIN_KEYS_PER_SPLIT keys
-    and at most MAX_SPLITS (`num_splits`, if given, caps S instead); the chunk is rounded up to a
-    whole number of the block's loop iterations and S recomputed from it, so no split is empty
-    for the longest sequence (shorter ones leave their last splits empty: lse = -inf, weight 0)."""
+    Decoding is memory-bound: the grid must fill the GPU even when B * Hkv is small (B = 1: 8 blocks
+    for 132 SMs without splits), and every wave of resident blocks should be full: blocks of one
+    split length finish together, so a last wave of 132 blocks on 396 slots (the old plan at B = 1,
+    N = 256k: 528 blocks at 3 per SM) runs the GPU a third full for a third of the time. With
+    `blocks_per_sm` resident blocks per SM (the compiled kernel's occupancy; BLOCKS_PER_SM_TARGET
+    without one), S minimises waves x (chunk + SPLIT_OVERHEAD_KEYS), waves = ceil(blocks / slots),
+    over 1 .. min(MAX_SPLITS, max_len / MIN_KEYS_PER_SPLIT) (the smallest such S on ties);
+    `num_splits`, if given, caps S instead. The chunk is rounded up to a whole number of the block's
+    loop iterations and S recomputed from it, so no split is empty for the longest sequence (shorter
+    ones leave their last splits empty: lse = -inf, weight 0)."""
     tile = row_tile(rows)
-    per_iter = keys_per_iter(d, tile)
+    per_iter = keys_per_iter(d, tile, pipe)
     if max_len <= 0:
         return 1, per_iter
+
+    def shape(s):
+        chunk = -(-max_len // max(1, s))
+        chunk = -(-chunk // per_iter) * per_iter
+        return -(-max_len // chunk), chunk
+
     base = B * Hkv * -(-rows // tile)
-    if num_splits is None:
-        sms = sm_count or DEFAULT_SM_COUNT
-        s = -(-BLOCKS_PER_SM_TARGET * sms // base)
-        s = min(s, -(-max_len // MIN_KEYS_PER_SPLIT), MAX_SPLITS)
-    else:
-        s = min(int(num_splits), MAX_SPLITS)
-    s = max(1, s)
-    chunk = -(-max_len // s)
-    chunk = -(-chunk // per_iter) * per_iter
-    return -(-max_len // chunk), chunk
+    if num_splits is not None:
+        return shape(min(int(num_splits), MAX_SPLITS))
+    slots = (sm_count or DEFAULT_SM_COUNT) * max(1, blocks_per_sm or BLOCKS_PER_SM_TARGET)
+    best = None
+    for s in range(1, max(1, min(MAX_SPLITS, max_len // MIN_KEYS_PER_SPLIT)) + 1):
+        S, chunk = shape(s)
+        cost = -(-base * S // slots) * (chunk + SPLIT_OVERHEAD_KEYS)
+        if best is None or cost < best[0]:
+            best = (cost, S, chunk)
+    return best[1], best[2]
+
+
+def kernel_name(dtype: str, d: int, rows: int, pipe: int = 1) -> str:
+    """The instantiation for a row tile and load path: ROWS = 16 has the register path only (its
+    cp.async form spills at 255 registers)."""
+    pipe = int(pipe) if rows < 16 else 0
+    return f"decode_splitkv<{KERNEL_CTYPE[dtype]}, {d}, {rows}, {int(pipe)}>"
 
 
 def kernel_names(dtype: str, d: int) -> tuple:
-    t = KERNEL_CTYPE[dtype]
-    return tuple(f"decode_splitkv<{t}, {d}, {r}>" for r in ROW_TILES) + (f"decode_merge<{t}, {d}>",)
+    return (tuple(dict.fromkeys(kernel_name(dtype, d, r, p) for p in PIPES for r in ROW_TILES))
+            + (f"decode_merge<{KERNEL_CTYPE[dtype]}, {d}>",))
+
+
+def resident_blocks(kernel) -> int | None:
+    """Blocks of 128 threads one SM holds for a compiled kernel, from its registers and static shared
+    memory (None if the kernel does not say): registers are allocated per warp in units of 256 out of
+    16384 per SM sub-partition, one warp of the block per sub-partition."""
+    try:
+        regs = int(kernel.num_regs)
+        smem = int(kernel.shared_size_bytes)
+    except Exception:
+        return None
+    if regs <= 0:
+        return None
+    by_regs = 16384 // (-(-regs * 32 // 256) * 256)
+    by_smem = (228 * 1024) // (smem + 1024) if smem else 32
+    return max(1, min(by_regs, by_smem, 2048 // (WARPS * 32), 32))
 
 
 def compile_unit(dtype: str, d: int):
@@ -245,12 +286,13 @@ def _upload_ints(host: np.ndarray, xp):
     return dev
 
 
-def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None):
+def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None, pipe=None):
     """The kernel on CuPy arrays, on CuPy's current stream: q (B, Hq, Nq, d); k, v the cache
     (contiguous (B, Hkv, Nmax, d) or pages (P, Hkv, page_size, d) with block_table, a device int32
     (B, pages per sequence)); lens a device int32 (B,) of keys per sequence, max_len their maximum
     (host); band as relative_band gives it. Returns (out like q's dtype, lse float32), both fresh
-    contiguous CuPy arrays. The caller has validated lengths and page indices."""
+    contiguous CuPy arrays. The caller has validated lengths and page indices. pipe: 1 the cp.async
+    ring, 0 the register path (None: DEFAULT_PIPE, the environment's SANDBOX_DECODE_PIPE or 1)."""
     import cupy as xp
     from .launch import f32, i32, i64, strides4
     B, Hq, Nq, d = q.shape
@@ -258,8 +300,13 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     dtype = str(q.dtype)
     rows = (Hq // Hkv) * Nq
     tile = row_tile(rows)
-    S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits)
+    pipe = DEFAULT_PIPE if pipe is None else int(pipe)
+    if pipe not in PIPES:
+        raise ValueError(f"pipe must be one of {PIPES}, got {pipe!r}")
     unit = compile_unit(dtype, d)
+    name = kernel_name(dtype, d, tile, pipe)
+    S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits,
+                           resident_blocks(loader.get_kernel(unit, name)), pipe)
     paged = block_table is not None
     if paged:
         page_size = k.shape[2]
@@ -269,7 +316,7 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
     lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
     grid = (S, Hkv * -(-rows // tile), B)
-    loader.launch(unit, f"decode_splitkv<{KERNEL_CTYPE[dtype]}, {d}, {tile}>", grid, (WARPS * 32,),
+    loader.launch(unit, name, grid, (WARPS * 32,),
                   (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], lens, i32(paged), table,
                    i64(table_stride), i32(num_pages), i32(shift), o_part, lse_part, i32(Hq), i32(Hkv), i32(Nq),
                    i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1])))

@@ -144,9 +144,31 @@ def test_plan_splits_covers_every_key_once(B, Hkv, rows, d, max_len):
         assert S == 1 or chunk >= min(decode.MIN_KEYS_PER_SPLIT, max_len) - per_iter
     blocks = B * Hkv * -(-rows // decode.row_tile(rows)) * S
     # the GPU is filled, unless the splits are already as short as allowed (or as many)
-    assert (blocks >= decode.BLOCKS_PER_SM_TARGET * 132 or chunk < decode.MIN_KEYS_PER_SPLIT + per_iter
-            or S == decode.MAX_SPLITS)
+    slots = decode.BLOCKS_PER_SM_TARGET * 132
+    assert (blocks >= 0.9 * slots or chunk < 2 * decode.MIN_KEYS_PER_SPLIT + per_iter or S == decode.MAX_SPLITS)
+    # every wave of resident blocks at least 3/4 full once there are enough keys to split
+    if max_len >= 32768:
+        assert blocks / (-(-blocks // slots) * slots) >= 0.75
     assert decode.plan_splits(B, Hkv, rows, d, max_len, 132, num_splits=2)[0] <= 2
+
+
+def test_plan_splits_fills_whole_waves():
+    # B = 1, Hkv = 8, N = 256k on 132 SMs x 3 blocks: the old plan (66 splits, 528 blocks) left a
+    # last wave of 132 blocks on 396 slots
+    S, _ = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132, blocks_per_sm=3)
+    assert (8 * S) % 396 == 0 or 8 * S / (-(-8 * S // 396) * 396) >= 0.95
+    S4, _ = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132, blocks_per_sm=4)
+    assert 8 * S4 / (-(-8 * S4 // 528) * 528) >= 0.95
+    assert decode.keys_per_iter(128, 4, 0) == 32 and decode.keys_per_iter(128, 4, 1) == 16
+
+
+def test_resident_blocks():
+    class K:
+        num_regs, shared_size_bytes = 128, 32848
+    assert decode.resident_blocks(K) == 4
+    K.num_regs, K.shared_size_bytes = 168, 2128
+    assert decode.resident_blocks(K) == 3
+    assert decode.resident_blocks(object()) is None
 
 
 def test_plan_splits_follows_the_sm_count():
@@ -172,7 +194,8 @@ def test_compile_units_name_every_instantiation():
     for t in ("__half", "__nv_bfloat16"):
         for d in decode.KERNEL_HEAD_DIMS:
             assert f"decode_merge<{t}, {d}>" in names
-            assert {f"decode_splitkv<{t}, {d}, {r}>" for r in decode.ROW_TILES} <= names
+            assert {f"decode_splitkv<{t}, {d}, {r}, 0>" for r in decode.ROW_TILES} <= names
+            assert {f"decode_splitkv<{t}, {d}, {r}, 1>" for r in decode.ROW_TILES if r < 16} <= names
     from sandbox import compile_report
     gated = {(v, n) for v, _, u in compile_report.units(gate=True) for n in u.names}
     assert {("decode-splitkv", n) for n in names} <= gated
