@@ -103,10 +103,9 @@ def test_head_dims_pad_to_the_kernels_and_pick_fa3s_key_tiles():
     assert AUTO_BC == {64: 128, 128: 128, 192: 112, 256: 80}
     for name in WIDE_RUNGS:
         cfg = sandbox.get_variant(name).config
-        assert cfg.block_c == "auto" and getattr(cfg, "for_head_dim", lambda D: cfg)(128).block_r == 128
+        assert cfg.block_c == "auto" and cfg.block_r == 128
         # the former default block_c=128 is what auto builds at D <= 128: the same kernels
-        # (fa3 at D = 64 takes Bc = 112 with its third consumer warpgroup: test_auto_consumers_...)
-        assert [cfg.bc(D) for D in (64, 128, 192, 256)] == [112 if name == "fa3" else 128, 128, 112, 80]
+        assert [cfg.bc(D) for D in (64, 128, 192, 256)] == [128, 128, 112, 80]
         assert cfg.forward_name("float16", 128, False) == sandbox.get_variant(name, block_c=128).config.forward_name(
             "float16", 128, False)
         assert ", 256, 80, 2," in cfg.forward_name("bfloat16", 256, True)
@@ -262,25 +261,3 @@ def test_wide_backward_is_refused_on_the_gpu():
     res = sandbox.forward(q, q, q, variant="fa3")
     with pytest.raises(ValueError, match="backward at head dim 256"):
         sandbox.backward(q, res)
-
-
-def test_auto_consumers_take_three_warpgroups_at_d64_in_fa3_only():
-    from variants.fa3_ws import AUTO_CONSUMERS
-    assert AUTO_CONSUMERS == {64: (3, 112)}
-    fa3, ws, pp = (sandbox.get_variant(n, **kw).config for n, kw in (("fa3", {}), ("fa3-ws", {}), ("fa3", {"pingpong": True})))
-    assert fa3.consumers == "auto"
-    with pytest.raises(ValueError, match="for_head_dim"):
-        fa3.block_r
-    assert [fa3.for_head_dim(D).consumers for D in (64, 128, 192, 256)] == [3, 2, 2, 2]
-    assert [fa3.bc(D) for D in (64, 128, 192, 256)] == [112, 128, 112, 80]
-    assert [ws.for_head_dim(D).consumers for D in (64, 128)] == [2, 2]
-    assert [pp.for_head_dim(D).consumers for D in (64, 128)] == [2, 2]
-    assert ", 64, 112, 3, 2, true, false," in fa3.forward_name("float16", 64, False)
-    assert fa3.forward_name("float16", 64, False) == sandbox.get_variant("fa3", consumers=3, block_c=112).config.forward_name(
-        "float16", 64, False)
-    assert ", 64, 128, 3, 2," in sandbox.get_variant("fa3", block_c=128).config.forward_name("float16", 64, False)
-    assert fa3.forward_name("float16", 128, True) == sandbox.get_variant("fa3", consumers=2).config.forward_name(
-        "float16", 128, True)
-    # the launch resolves it: Br = 192 at d = 64 (grid rows), 128 at d = 128; the envelope is checked resolved
-    assert fa3.forward_smem(64) == sandbox.get_variant("fa3", consumers=3, block_c=112).config.forward_smem(64)
-    assert not fa3.envelope_errors(64) and not fa3.envelope_errors(256)

@@ -21,7 +21,6 @@ Status and speed: bench/results/h100/.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
@@ -38,21 +37,10 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 
 # ---- config
 
-# consumers="auto": three consumer warpgroups (Br = 192) at D = 64 in the overlapped rung (fa3, not
-# pingpong), two elsewhere. Measured on the H100 (2026-11-23, fp16, d = 64, B*N = 16k tokens, TFLOP/s,
-# bench/results/h100/2026-11-23-fa3-d64-consumers.md): fa3:consumers=3 423 / 502 non-causal at N = 2k / 8k
-# against fa3 pingpong's 384 / 435 in the same process (and fa3's 380 at 2k in the call before);
-# causal 284 / 427 against 292 / 395. At D = 64 a tile's two GEMMs are short, and a third warpgroup
-# keeps the tensor cores fed while the other two run their softmax. With Bc = 128 the no-dropout
-# kernel spilled 64 bytes under the 160-register claim of three consumers (compile report, sm_90a);
-# Bc = 112 builds without spills, so auto takes (3 consumers, Bc 112) where block_c is auto too.
-AUTO_CONSUMERS = {64: (3, 112)}        # D -> (consumer warpgroups, Bc where block_c="auto")
-
-
 @dataclass(frozen=True)
 class WsConfig:
     block_c: object = "auto"
-    consumers: object = 2     # 1, 2, 3 or "auto" (AUTO_CONSUMERS; resolved per head dim by for_head_dim)
+    consumers: int = 2
     stages: int = 2
     overlap: bool = True
     philox_rounds: int = 10
@@ -60,57 +48,38 @@ class WsConfig:
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
     bwd_kernel: str = "mma"                              # "mma": fa2-tc's kernels; "wgmma": fa3_bwd.cu
 
-    def for_head_dim(self, D: int) -> "WsConfig":
-        """This config with consumers="auto" resolved for head dim D (kernels are built per D)."""
-        if self.consumers != "auto":
-            return self
-        n, bc = AUTO_CONSUMERS.get(D, (2, "auto")) if self.overlap and not self.pingpong else (2, "auto")
-        return dataclasses.replace(self, consumers=n, block_c=bc if self.block_c == "auto" else self.block_c)
-
     @property
     def block_r(self) -> int:
-        if self.consumers == "auto":
-            raise ValueError("consumers='auto' resolves per head dim: call for_head_dim(D) first")
         return 64 * self.consumers
 
     @property
     def threads(self) -> int:
-        return 128 * (self.block_r // 64 + 1)
+        return 128 * (self.consumers + 1)
 
     def bc(self, D: int, dropout: bool = False) -> int:
-        if self.consumers == "auto":
-            return self.for_head_dim(D).bc(D, dropout)
         return AUTO_BC[D] if self.block_c == "auto" else self.block_c
 
     @property
     def register_cap(self) -> int:
         """A consumer thread's registers: setmaxnreg's claim (240 with two consumers, 160 with three), or
         with one consumer the 255 that two warpgroups of one block per SM allow."""
-        return {1: 255, 2: 240, 3: 160}[self.block_r // 64]
+        return {1: 255, 2: 240, 3: 160}[self.consumers]
 
     def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
-        if self.consumers == "auto":
-            return self.for_head_dim(D).forward_name(dtype, D, dropout)
         return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.bc(D)}, {self.consumers}, {self.stages}, "
                 f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, {self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False) -> int:
         """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
-        if self.consumers == "auto":
-            return self.for_head_dim(D).forward_smem(D, dropout)
         return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
 
     def unit(self, dtype: str, D: int) -> CompileUnit:
-        if self.consumers == "auto":
-            return self.for_head_dim(D).unit(dtype, D)
         names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
         return CompileUnit("fa3_ws.cu", names, cuda_options(), {n: self.forward_smem(D) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}]", archs=ARCHS)
 
     def envelope_errors(self, D: int) -> list[str]:
-        if self.consumers == "auto":
-            return self.for_head_dim(D).envelope_errors(D)
         smem = self.forward_smem(D)
         errs = [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
         errs += register_errors(D, self.bc(D), self.register_cap, f"a consumer thread with consumers={self.consumers}")
@@ -129,13 +98,13 @@ class FA3WarpSpecialized(FA3Wgmma):
     # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, consumers,
     # stages), "auto" being Bc = 128 at D <= 128; stages=3 compiled clean too at D <= 128 but is left to compile
     # on first use (the CI gate's time budget)
-    TUNED = {("auto", "auto", 2)}
+    TUNED = {("auto", 2, 2)}
 
     def __init__(self, name: str, overlap: bool):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="mma"):
+    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="mma"):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
@@ -148,9 +117,6 @@ class FA3WarpSpecialized(FA3Wgmma):
         if unit is not None and unit.source != "fa3_ws.cu":
             return super().tuned(config, unit)
         return (config.block_c, config.consumers, config.stages) in self.TUNED
-
-    def forward(self, p, q, k, v, config):
-        return super().forward(p, q, k, v, config.for_head_dim(d_pad(p.d)))
 
     def _arguments(self, p, config, maps, out, lse, xp):
         D, dropout = d_pad(p.d), p.dropout_p > 0
@@ -184,7 +150,6 @@ class FA3WarpSpecialized(FA3Wgmma):
         import cupy as xp
         if p.scale < 0:
             return None
-        config = config.for_head_dim(d_pad(p.d))
         shapes = {"q": (p.B, p.Hq, p.Nq, p.d), "k": (p.B, p.Hkv, p.Nk, p.d), "v": (p.B, p.Hkv, p.Nk, p.d)}
         if any(tma.usable_strides(shapes[nm], strides[nm]) is None for nm in shapes):
             return None
@@ -211,8 +176,8 @@ class FA3WarpSpecialized(FA3Wgmma):
 PARAMS = (
     Param("block_c", ("auto", 64, 80, 112, 128), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's wgmma); auto: "
           "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
-    Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
-          "one more warpgroup produces; auto: 3 at d <= 64 in fa3 without pingpong, else 2 (AUTO_CONSUMERS)"),
+    Param("consumers", (1, 2, 3), 2, "consumer warpgroups, 64 query rows each (Br = 64 x consumers); one more "
+          "warpgroup produces"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
 )
