@@ -17,11 +17,13 @@
 //       D / 2 O accumulators per thread. Wide heads take FA3's smaller key tiles (variants/fa3_wgmma.py
 //       AUTO_BC): D = 192, Bc = 112 (96 O + 56 S + 28 P registers); D = 256, Bc = 80 (128 + 40 + 20).
 // Masks, dropout, GQA, dead rows, any Nq / Nk: as fa2_tc.cu (the host's tile table, the band, the
-// element predicate in partial tiles, the contract's Philox counters).
+// element predicate in partial tiles, the contract's Philox counters). Score and mask modifiers: as
+// fa2_tc.cu (tc_mods.cuh, compiled in by -D switches; none: the kernel without them).
 // Envelope (static_asserts; ValueError in variants/fa3_wgmma.py): D in {64, 128, 192, 256} (d <= D, a
 // multiple of 8, zero-filled), Bc in {64, 80, 112, 128, 192}, WG in {1, 2, 3}, shared memory and (D > 128)
 // registers checked on the host; an sm_90 GPU (the sm_90a target).
 #include "tc_softmax.cuh"
+#include "tc_mods.cuh"
 #include "hopper.cuh"
 
 // ---- kernels
@@ -36,7 +38,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
                   const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                   int tile_heads, int Hq, int group, int Nq, int Nk, int d,
                   float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
-                  MASK_PARAMS, DROPOUT_PARAMS) {
+                  MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WG * 128, BR = WG * 64;
     constexpr int NT = BC / 8, ND = D / 8;
     static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head dim padded to 64, 128, 192 or 256");
@@ -57,7 +59,11 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
     const int wrow = warp * 16;                   // the warp's first row in the tile (wgmma: 16 rows per warp)
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
+#ifdef FA_MODS
+    const signed char* trow = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
+#else
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+#endif
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
     t = next_live_tile(trow, t, t1);
@@ -91,8 +97,15 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
 
         // mask (partial tiles only), online softmax on raw scores, dropout (tc_softmax.cuh)
         const int cls = trow[t];
+#ifdef FA_MODS
+        // modifiers (tc_mods.cuh): as fa2_tc.cu, on the same C layout
+        mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow, col0,
+                   Nq, Nk, g, tq, MOD_FN_ARGS);
+        online_softmax(s, m, l, o, mod_softmax_scale(scale_log2));
+#else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
         online_softmax(s, m, l, o, scale_log2);
+#endif
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         unsigned pa[BC / 16][4];
         p_operands<T>(pa, s);
@@ -109,5 +122,8 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
     }
     cp_async_wait<0>();                               // nothing may land after the block exits
 
+#ifdef FA_MODS
+    fold_sinks(o, m, l, mod_sink, h, tq);             // attention sinks join the denominator (FA_SINKS only)
+#endif
     write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
 }

@@ -27,11 +27,17 @@
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
 // Masks, dropout, GQA, dead rows: as fa2_tc.cu (the host's tile table and band bound the tile loop of
 // producer and consumers alike; the element predicate runs in partial tiles).
+// Score and mask modifiers (issue 18): as fa2_tc.cu, compiled in by tc_mods.cuh's -D switches (without
+// them MOD_PARAMS is empty and the kernel is the one without modifiers): mod_scores where mask_scores ran
+// (the wgmma accumulator is mma.sync's C layout per warp: row row0 + wrow + g + 8 (e >= 2), column
+// col0 + 8 n + 2 tq + (e & 1)), fold_sinks before write_output; the host folds the mask modifier's tile
+// classes into the tile table ([mod_tile_b x tile_heads] rows), which producer and consumers both walk.
 // Envelope: D in {64, 128, 192, 256}, BC in {64, 80, 112, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; shared
 // memory and (D > 128) registers checked on the host (variants/fa3_ws.py). D = 256 runs FA3's tile: Br = 128
 // (NC = 2, 240 registers per consumer thread, O alone 128), Bc = 80, STAGES = 2: 64 KB of Q and 160 KB of
 // K / V slots; D = 192: Bc = 112, 48 + 168 KB.
 #include "tc_softmax.cuh"
+#include "tc_mods.cuh"
 #include "hopper.cuh"
 
 // ---- device helpers
@@ -55,7 +61,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
                float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
-               MASK_PARAMS, DROPOUT_PARAMS) {
+               MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
     constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;          // bytes of one 64-column panel
     constexpr unsigned Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
@@ -75,7 +81,11 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
               b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC;
     TileWalk walk;
+#ifdef FA_MODS
+    walk.cls = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
+#else
     walk.cls = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+#endif
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, walk.first, walk.last);
     walk.first = next_live_tile(walk.cls, walk.first, walk.last);
 
@@ -133,11 +143,20 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         // the scores of tile t, in registers: masked, softmaxed (O's rescale factor in corr), dropped out
         auto scores_to_p = [&](float (&s)[1][NT][4], int t, float (&corr)[1][2]) {
             const int col0 = t * BC;
+#ifdef FA_MODS
+            // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
+            // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
+            mod_scores(s, walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h,
+                       row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+            const float sscale = mod_softmax_scale(scale_log2);
+#else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
                 mask_scores(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+            const float sscale = scale_log2;
+#endif
             float mx[1][2];
             row_max(s, mx);
-            softmax_scores(s, m, l, mx, scale_log2, corr);
+            softmax_scores(s, m, l, mx, sscale, corr);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         };
 
@@ -229,6 +248,9 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             fence_accumulators(o[0]);
             if (lane == 0) mbar_arrive(v_empty + 8 * s);
         }
+#ifdef FA_MODS
+        fold_sinks(o, m, l, mod_sink, h, tq);        // attention sinks join the denominator (FA_SINKS only)
+#endif
         write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
     }
 }

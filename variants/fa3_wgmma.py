@@ -17,6 +17,10 @@ D = 128 kernel). Bc "auto" (the default) is FA3's key tile per head dim (AUTO_BC
 112 at 192, 80 at 256: the largest whose S, P and O registers and Q, K, V shared memory fit). The
 backward stops at d = 128 (both fa2-tc's and fa3_bwd.cu hold dK and dV in registers): check() refuses
 a backward at d > 128 with a ValueError naming the head dim; the forward runs there.
+Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
+(kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
+the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
+fa2-tc's with the same modifiers (bwd_kernel="mma"; "wgmma" is refused), so it stops at d = 128 too.
 Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
 other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
@@ -25,15 +29,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sandbox import arrays
+from sandbox import arrays, modifiers
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, arch, has_gpu
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 from . import fa3_backward
-from .fa2_tc import CTYPE, ITEMSIZE, FA2TensorCore, TCConfig, _check_aligned, _check_row_strides, _dropout_slots, \
-    check_alignment, scale_log2
+from .fa2_tc import CTYPE, ITEMSIZE, MAX_FLOAT_POSITION, FA2TensorCore, ModKernel, TCConfig, _check_aligned, \
+    _check_row_strides, _dropout_slots, check_alignment, modifier_args, modifier_tiles, scale_log2
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 ARCHS = ("sm_90a",)          # wgmma.mma_async: the architecture-specific target
@@ -73,6 +77,46 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
             f"P {bc // 4}, {OVERHEAD_REGS} more), over the {cap} of {who}; take block_c=\"auto\" or a smaller Bc"]
 
 
+# ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
+
+_WGMMA_BWD_MODS = ("score / mask modifiers need the backward of fa2-tc (bwd_kernel=\"mma\", the default); "
+                   "kernels_cu/fa3_bwd.cu (bwd_kernel=\"wgmma\") has none")
+
+
+def has_mods(p) -> bool:
+    return p.score_mod is not None or p.mask_mod is not None
+
+
+def modifier_errors(p, config, direction) -> list[str]:
+    """fa2-tc's checks of a problem's modifiers (their CUDA text and buffers, the float positions), and
+    the backward's kernel: fa2-tc's (mma), which compiles them in; fa3_bwd.cu does not."""
+    if not has_mods(p):
+        return []
+    for mod in (p.score_mod, p.mask_mod):          # their CUDA text and buffers, before any launch
+        if mod is not None:
+            modifiers.cuda_buffers(mod)
+    ModKernel.of(p, direction in ("backward", "both"))
+    errs = []
+    if p.score_mod is not None and max(p.Nq, p.Nk) > MAX_FLOAT_POSITION:
+        errs.append(f"a score modifier sees positions as floats fi, fj (kernels_cu/tc_mods.cuh), exact up to "
+                    f"{MAX_FLOAT_POSITION}; Nq = {p.Nq}, Nk = {p.Nk}")
+    if direction in ("backward", "both") and config.bwd_kernel == "wgmma":
+        errs.append(_WGMMA_BWD_MODS)
+    return errs
+
+
+def forward_tiles(p, config, D, mods, xp) -> tuple:
+    """(tile table, tile_heads, MOD_PARAMS arguments) of the forward: without modifiers the usual table
+    and nothing more; with them the table with the mask modifier's classes folded in (batch axis) and
+    modifier_args. xp None: host arrays (the argument-packing tests run without a GPU)."""
+    if mods is None:
+        table = tile_table(p, config.block_r, config.bc(D), xp) if xp is not None else \
+            modifier_tiles(p, config.block_r, config.bc(D))[:2]
+        return (*table, ())
+    tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D), xp)
+    return tiles, tile_heads, modifier_args(p, tile_b, xp)
+
+
 # ---- config
 
 @dataclass(frozen=True)
@@ -109,10 +153,14 @@ class WgmmaConfig:
         most 255, in ptxas's steps of 8."""
         return min(255, 65536 // (128 * self.warpgroups) // 8 * 8)
 
-    def unit(self, dtype: str, D: int) -> CompileUnit:
-        names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
-        return CompileUnit("fa3_wgmma.cu", names, cuda_options(), {n: self.forward_smem(D) for n in names},
-                           label=f"fa3-wgmma[{dtype}, D={D}]", archs=ARCHS)
+    def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
+        """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
+        the one switch it names."""
+        drops = (False, True) if mods is None else (mods.dropout,)
+        names = tuple(self.forward_name(dtype, D, drop) for drop in drops)
+        return CompileUnit("fa3_wgmma.cu", names, cuda_options() + (mods.options if mods else ()),
+                           {n: self.forward_smem(D) for n in names},
+                           label=f"fa3-wgmma[{dtype}, D={D}{mods.label if mods else ''}]", archs=ARCHS)
 
     def envelope_errors(self, D: int) -> list[str]:
         smem = self.forward_smem(D)
@@ -146,6 +194,7 @@ class FA3Wgmma(FA2TensorCore):
             errs += bwd or config.bwd.backward_errors(d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
+        errs += modifier_errors(problem, config, direction)
         if errs:
             raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
@@ -177,6 +226,8 @@ class FA3Wgmma(FA2TensorCore):
 
     def backward(self, p, dout, q, k, v, out, lse, config):
         self._refuse_wide_backward(p)
+        if config.bwd_kernel == "wgmma" and has_mods(p):
+            raise ValueError(f"variant {self.name!r}: " + _WGMMA_BWD_MODS)
         if config.bwd_kernel == "wgmma":
             return fa3_backward.backward(self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
@@ -189,6 +240,10 @@ class FA3Wgmma(FA2TensorCore):
 
     # ---- the forward: fa2-tc's signature, grid and tile table, with this rung's head-dim padding
 
+    def launch_mods(self, p, q, k, v, config):
+        """fa2-tc's forward() sends a problem with modifiers here: `launch` handles both."""
+        return self.launch(p, q, k, v, config, (-(-p.Nq // config.block_r), p.B * p.Hq))
+
     def launch(self, p, q, k, v, config, grid, scratch=()):
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v")):
@@ -196,14 +251,15 @@ class FA3Wgmma(FA2TensorCore):
         if p.scale < 0:          # the kernels take the row max on raw scores: scale > 0 (tc_softmax.cuh)
             k = arrays.negate(k, xp)
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
+        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
-        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D), xp)
+        tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp)
         launch(unit, name, grid, (32 * config.warps,),
                (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, *scratch,
                 tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p)),
+                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p), *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 
@@ -211,7 +267,7 @@ class FA3Wgmma(FA2TensorCore):
         """fa2-tc's pointer-level plan with this rung's padding (None for a negative scale: the generic
         path negates K into a copy)."""
         import cupy as xp
-        if p.scale < 0:
+        if p.scale < 0 or has_mods(p):
             return None
         for nm in ("q", "k", "v"):
             _check_row_strides(strides[nm], nm, self.name)
@@ -235,6 +291,8 @@ class FA3Wgmma(FA2TensorCore):
 
     def backward_plan(self, p, config, strides):
         self._refuse_wide_backward(p)
+        if has_mods(p):          # the generic path: fa2-tc's backward with the modifiers compiled in
+            return None
         if config.bwd_kernel == "wgmma":
             return fa3_backward.backward_plan(self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)
@@ -245,7 +303,9 @@ BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma"), "mma", "backward kernels: mma
                    "128 keys per block, dQ by atomics)")
 # head dims: the forward's (multiples of 8 up to 256); the backward's stop at 128 (check() refuses past it:
 # the registry has one head-dim list for both directions)
-CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)))
+# score_mod / mask_mod: compiled into the forward (tc_mods.cuh), the backward fa2-tc's with the same modifiers
+CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)),
+                    score_mod=True, mask_mod=True)
 
 register(Variant(
     name="fa3-wgmma", family="fa3", backend="cuda",

@@ -17,6 +17,8 @@ to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 
 d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
 240 registers, O alone 128 of them), Bc = 80, two ring slots (Q 64 KB + 2 x (K, V) 160 KB of 227 KB). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
 broadcast dims) are copied to contiguous ones first; the torch plan path then takes the generic path.
+Score and mask modifiers: as fa3-wgmma (tc_mods.cuh compiled into the forward module, the mask
+modifier's tile classes in the table both roles walk; fa2-tc's backward with the same modifiers).
 Status and speed: bench/results/h100/.
 """
 from __future__ import annotations
@@ -25,12 +27,13 @@ from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
 from sandbox.device import SMEM_PER_BLOCK_OPTIN
-from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mask_args, tile_table
+from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
 from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, scale_log2
-from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, register_errors
+from .fa2_tc import ModKernel
+from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, forward_tiles, has_mods, register_errors
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 
@@ -74,10 +77,15 @@ class WsConfig:
         """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
         return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
 
-    def unit(self, dtype: str, D: int) -> CompileUnit:
-        names = tuple(self.forward_name(dtype, D, drop) for drop in (False, True))
-        return CompileUnit("fa3_ws.cu", names, cuda_options(), {n: self.forward_smem(D) for n in names},
-                           label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}]", archs=ARCHS)
+    def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
+        """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
+        the one switch it names."""
+        drops = (False, True) if mods is None else (mods.dropout,)
+        names = tuple(self.forward_name(dtype, D, drop) for drop in drops)
+        return CompileUnit("fa3_ws.cu", names, cuda_options() + (mods.options if mods else ()),
+                           {n: self.forward_smem(D) for n in names},
+                           label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}{mods.label if mods else ''}]",
+                           archs=ARCHS)
 
     def envelope_errors(self, D: int) -> list[str]:
         smem = self.forward_smem(D)
@@ -118,11 +126,12 @@ class FA3WarpSpecialized(FA3Wgmma):
             return super().tuned(config, unit)
         return (config.block_c, config.consumers, config.stages) in self.TUNED
 
-    def _arguments(self, p, config, maps, out, lse, xp):
+    def _arguments(self, p, config, maps, out, lse, xp, mods=None):
+        """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately."""
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D), xp)
+        tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp)
         return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                       f32(scale_log2(p.scale)), *mask_args(p, xp)), D, dropout
+                       f32(scale_log2(p.scale)), *mask_args(p, xp)), D, dropout, mod_rest
 
     def launch(self, p, q, k, v, config, grid, scratch=()):
         import cupy as xp
@@ -137,10 +146,11 @@ class FA3WarpSpecialized(FA3Wgmma):
             held.append(x)                           # alive until the launch is queued
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
-        tiles, args, D, dropout = self._arguments(p, config, maps, out, lse, xp)
-        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
+        mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
+        tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, xp, mods)
+        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
-                              (*args, *dropout_args(p)))
+                              (*args, *dropout_args(p), *mod_rest))
         kernel({}, xp.cuda.get_current_stream())
         return out, lse
 
@@ -148,14 +158,14 @@ class FA3WarpSpecialized(FA3Wgmma):
         """Tensor maps encoded per call from the pointers (cached by address in sandbox/tma.py). None
         where the generic path must run: a negative scale, strides TMA cannot describe."""
         import cupy as xp
-        if p.scale < 0:
+        if p.scale < 0 or has_mods(p):
             return None
         shapes = {"q": (p.B, p.Hq, p.Nq, p.d), "k": (p.B, p.Hkv, p.Nk, p.d), "v": (p.B, p.Hkv, p.Nk, p.d)}
         if any(tma.usable_strides(shapes[nm], strides[nm]) is None for nm in shapes):
             return None
         rows = {"q": 64, "k": config.bc(d_pad(p.d)), "v": config.bc(d_pad(p.d))}
         maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
-        tiles, args, D, dropout = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
+        tiles, args, D, dropout, _ = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
                               (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p)))

@@ -1,0 +1,324 @@
+"""Score and mask modifiers compiled into the Hopper forward rungs fa3-wgmma, fa3-ws and fa3 (issue 18;
+kernels_cu/tc_mods.cuh in kernels_cu/fa3_ws.cu and fa3_wgmma.cu, the host side in variants/fa3_wgmma.py).
+
+The wgmma accumulator of each warp is mma.sync's C fragment (row g + 8 (e >= 2), column 8 n + 2 tq + (e & 1)
+of the warp's 16 rows), so tc_mods.cuh's mod_scores and fold_sinks run on the S and O fragments as in
+fa2_tc.cu. The backward of a modified forward is fa2-tc's with the same modifiers (bwd_kernel="mma").
+
+Without a GPU: the capabilities, the compile units (none changes without modifiers), the MOD_PARAMS the
+host packs against the parameters the -D options declare, the tile tables with the mask modifier's classes,
+the refusals, and NVRTC builds (sm_90a) of each built-in at D = 64 and 128 held to no spills under the
+consumers' setmaxnreg budget. With a GPU (`pytest -m gpu`): fa3 and fa3-ws (and fa3-wgmma, fp16) against
+the oracle with every built-in, forward and backward, fp16 and bf16, causal and not, GQA, ragged N, and a
+short Hypothesis run; the modules are built in parallel before the first launch.
+"""
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sandbox import fuzz, get_variant, loader, modifiers as M
+from sandbox.device import has_gpu
+from sandbox.masks import TILE_EMPTY, classify_tiles_mod
+from sandbox.problem import make_problem
+from sandbox.registry import all_variants
+from variants.fa2_tc import ModKernel
+from variants.fa3_wgmma import d_pad, forward_tiles
+
+B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
+HOPPER = ("fa3-wgmma", "fa3-ws", "fa3")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _score_mods():
+    rng = np.random.default_rng(0)
+    return {"softcap": M.softcap(2.0), "alibi": M.alibi(M.alibi_slopes(HQ)),
+            "relative_bias": M.relative_bias(rng.standard_normal((HQ, 7)), 3),
+            "sinks": M.sinks(rng.normal(size=HQ)), "softcap+sinks": M.softcap(3.0).with_sinks([0.5])}
+
+
+def _mask_mods():
+    ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
+    kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
+    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
+
+
+def _problem(score_mod=None, mask_mod=None, d=64, **kw):
+    q = np.zeros((B, HQ, NQ, d), np.float16)
+    k = np.zeros((B, HKV, NK, d), np.float16)
+    return make_problem(q, k, k, score_mod=score_mod, mask_mod=mask_mod, **kw)
+
+
+def _config(name, **kw):
+    return all_variants()[name].impl.configure(**kw)
+
+
+# ---- no GPU: capabilities, units, argument packing, tile tables, refusals
+
+def test_hopper_rungs_claim_modifiers_and_the_fuzzer_draws_them():
+    from hypothesis import HealthCheck, find, settings
+    for name in HOPPER:
+        caps = all_variants()[name].caps
+        assert caps.score_mod and caps.mask_mod and caps.backward
+    bound = get_variant("fa3")
+    fast = settings(max_examples=500, database=None, suppress_health_check=list(HealthCheck))
+    case = find(fuzz.cases(bound, "bfloat16", fuzz.Limits(dims=(64,))),
+                lambda c: "score_mod" in c.options and "mask_mod" in c.options, settings=fast)
+    bound.check(make_problem(*case.inputs()[:3], **case.options), "backward")     # accepted, not refused
+
+
+@pytest.mark.parametrize("name,kw", [("fa3", {}), ("fa3", {"pingpong": True}), ("fa3-ws", {}), ("fa3-wgmma", {})])
+def test_units_without_modifiers_are_unchanged(name, kw):
+    cfg = _config(name, **kw)
+    assert ModKernel.of(_problem()) is None
+    for D in (64, 128, 192, 256):
+        plain, none = cfg.unit("float16", D), cfg.unit("float16", D, None)
+        assert plain == none and not any("-DFA_" in o for o in plain.options) and len(plain.names) == 2
+    mods = ModKernel.of(_problem(_score_mods()["softcap"], _mask_mods()["document"], dropout_p=0.1))
+    u = cfg.unit("bfloat16", 128, mods)
+    assert u.names == (cfg.forward_name("bfloat16", 128, True),) and "-DFA_MASK_MOD=1" in u.options
+    assert u.archs == ("sm_90a",) and M.softcap(1.0).cuda_key in u.label
+    assert cfg.unit("bfloat16", 128, ModKernel.of(_problem(M.softcap(9.0), _mask_mods()["document"],
+                                                           dropout_p=0.1))) == u     # buffers: the same module
+
+
+@pytest.mark.parametrize("source", ["fa3_ws.cu", "fa3_wgmma.cu"])
+def test_kernels_take_mod_params_after_the_dropout_params(source):
+    text = (ROOT / "kernels_cu" / source).read_text()
+    assert '#include "tc_mods.cuh"' in text and re.search(r"MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS\)", text)
+    for call in ("mod_scores(", "fold_sinks(", "mod_tile_index(", "mod_softmax_scale("):
+        assert call in text, call
+
+
+def _declared_params(options) -> list[str]:
+    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
+    header = loader.source_text("tc_mods.cuh")
+    body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
+    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
+    for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
+        body = body.replace(name, macros.get(name, ""))
+    decls = [x.strip() for x in body.split(",") if x.strip()]
+    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).strip() for x in decls]
+
+
+C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
+PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
+          np.dtype(np.uint8): "const unsigned char*", np.dtype(np.int8): "const signed char*"}
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa3-wgmma"])
+@pytest.mark.parametrize("sm_name,mm_name", [("softcap", None), ("alibi", "document"), ("relative_bias", "prefix_lm"),
+                                              ("sinks", None), ("softcap+sinks", "document"), (None, "prefix_lm")])
+def test_forward_arguments_match_the_kernel_parameters(name, sm_name, mm_name):
+    """The tile table and MOD_PARAMS the Hopper launches pack (forward_tiles, host arrays), against the
+    parameters the module's -D options declare; the table folds the mask modifier's classes in."""
+    sm, mm = _score_mods().get(sm_name), _mask_mods().get(mm_name)
+    p = _problem(sm, mm, causal=True, scale=-0.3)
+    cfg = _config(name)
+    D = d_pad(p.d)
+    mods = ModKernel.of(p)
+    tiles, heads, rest = forward_tiles(p, cfg, D, mods, None)
+    got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in rest]
+    assert got == _declared_params(mods.options)
+    assert rest[1] == np.float32(0.3)                         # |scale|: K is negated on the host
+    grid = (-(-NQ // cfg.block_r), -(-NK // cfg.bc(D)))
+    if mm is None:
+        assert int(rest[0]) == 1 and tiles.shape[1:] == grid
+    else:
+        ref = classify_tiles_mod(mm, B, HQ, NQ, NK, cfg.block_r, cfg.bc(D), p.band, None)
+        assert (int(rest[0]), int(heads)) == ref.shape[:2]
+        assert np.array_equal(np.asarray(tiles).reshape(ref.shape), ref)
+    plain = forward_tiles(_problem(causal=True), cfg, D, None, None)
+    assert plain[2] == () and plain[0].shape[1:] == grid          # no modifiers: no MOD_PARAMS
+
+
+def test_mask_modifier_empties_tiles_at_the_hopper_tile():
+    ids = np.repeat(np.arange(4), 64)[None, :]                 # four documents of 64 rows, Br = Bc = 128
+    p = make_problem(*(np.zeros((1, 2, 256, 64), np.float16),) * 3, mask_mod=M.document(ids))
+    tiles, _, rest = forward_tiles(p, _config("fa3"), 64, ModKernel.of(p), None)
+    assert int(rest[0]) == 1 and (np.asarray(tiles) == TILE_EMPTY).sum() == 2    # the two off-diagonal tiles
+
+
+def test_refusals_come_before_any_launch():
+    bound = get_variant("fa3")
+    sm = _score_mods()["softcap"]
+    bound.check(_problem(sm), "backward")
+    with pytest.raises(ValueError, match="bwd_kernel=.mma.*fa3_bwd.cu"):
+        get_variant("fa3", bwd_kernel="wgmma").check(_problem(sm), "backward")
+    get_variant("fa3", bwd_kernel="wgmma").check(_problem(sm), "forward")       # the forward is fa3's
+    get_variant("fa3-ws").check(_problem(sm, d=256), "forward")
+    with pytest.raises(ValueError, match="head dim 256"):
+        get_variant("fa3-ws").check(_problem(sm, d=256), "backward")
+    commented = M.ScoreMod("commented", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s // plain")
+    with pytest.raises(ValueError, match="score_mod 'commented'.*'//'"):
+        get_variant("fa3-wgmma").check(_problem(commented), "forward")
+    forward_only = M.ScoreMod("fwd", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s")
+    get_variant("fa3-ws").check(_problem(forward_only), "forward")
+    with pytest.raises(ValueError, match="no derivative"):
+        get_variant("fa3-ws").check(_problem(forward_only), "backward")
+
+
+def test_plans_leave_modifiers_to_the_generic_path():
+    pytest.importorskip("cupy")
+    p = _problem(_score_mods()["alibi"])
+    st = (HQ * NQ * 64, NQ * 64, 64, 1)
+    strides = {"q": st, "k": (HKV * NK * 64, NK * 64, 64, 1), "v": (HKV * NK * 64, NK * 64, 64, 1)}
+    for name in HOPPER:
+        impl = all_variants()[name].impl
+        assert impl.forward_plan(p, impl.configure(), strides) is None
+        assert impl.backward_plan(p, impl.configure(), dict(strides, out=st, dout=st)) is None
+
+
+# ---- no GPU: NVRTC builds (sm_90a) of each built-in, spill gates
+
+# The consumers run under setmaxnreg (240 registers with two consumer warpgroups; ptxas reports the
+# launch bound's 168 for the kernel); the gate is no spills, as for the defaults without modifiers.
+FORWARD_BUILDS = [("fa3", "float16", D, sm, mm) for D in (64, 128) for sm, mm in
+                  (("softcap", None), ("alibi", None), ("relative_bias", None), ("sinks", None),
+                   (None, "document"), (None, "prefix_lm"))] + \
+                 [("fa3-ws", "bfloat16", 128, "softcap+sinks", "document"), ("fa3-wgmma", "float16", 64, "alibi", "document")]
+
+
+def _forward_unit(name, dtype, D, sm, mm):
+    return _config(name).unit(dtype, D, ModKernel.of(_problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)))
+
+
+@pytest.fixture(scope="module")
+def built():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for NVRTC builds")
+    if has_gpu():
+        pytest.skip("compile-only check (NVRTC logs are empty under pytest on the GPU image: tests/test_compile.py)")
+    units = [_forward_unit(*x) for x in FORWARD_BUILDS]
+    loader.prebuild(units, "sm_90a")                            # in parallel, into the disk cache
+    return {u: loader.compile_only(u, "sm_90a") for u in units}
+
+
+@pytest.mark.parametrize("build", FORWARD_BUILDS, ids=lambda x: "-".join(str(v) for v in x))
+def test_forward_builds_without_spills(built, build):
+    reports = built[_forward_unit(*build)]
+    assert len(reports) == 1
+    r = reports[0]
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
+
+
+# ---- GPU: against the oracle
+
+def _combos():
+    sm, mm = _score_mods(), _mask_mods()
+    return [(sm["softcap"], None), (sm["alibi"], mm["document"]), (sm["relative_bias"], mm["prefix_lm"]),
+            (sm["sinks"], None), (sm["softcap+sinks"], mm["document"]), (None, mm["prefix_lm"])]
+
+
+def _gpu_cases(dtype):
+    """(Case per combination): GQA (4 query heads on 2), ragged Nq = 70, Nk = 90, causal in half, a
+    window, a negative scale, dropout, head dims padded to 64 and 128."""
+    out = []
+    for n, (sm, mm) in enumerate(_combos()):
+        extra = [{"causal": True}, {}, {"scale": -0.4, "causal": True}, {"dropout_p": 0.3, "seed": 11, "offset": 2},
+                 {"causal": True}, {"window": (7, 3)}][n]
+        d = 96 if n % 3 == 2 else 64
+        out.append(fuzz.Case(B, HQ, HKV, NQ, NK, d, dtype, dict(extra, score_mod=sm, mask_mod=mm), 10 + n))
+    return out
+
+
+def _units(name, dtype, problems):
+    config = (get_variant(name[0], **name[1]) if isinstance(name, tuple) else get_variant(name)).config
+    units = {}
+    for p in problems:
+        D = d_pad(p.d)
+        units[config.unit(dtype, D, ModKernel.of(p))] = None
+        if D <= 128:
+            units[config.bwd.backward_unit(dtype, D, ModKernel.of(p, backward=True))] = None
+    return list(units)
+
+
+def _case_problems(dtype):
+    out = []
+    for case in _gpu_cases(dtype):
+        q, k, v, _ = case.inputs()
+        out.append(make_problem(q, k, v, **case.options))
+    return out
+
+
+FUZZ_SCORE_MODS = fuzz.SCORE_MODS[:2]                   # softcap, alibi: few modules (one per text and dropout)
+FUZZ_MASK_MODS = (fuzz.MASK_MODS[0], lambda rng, B, Hq, Nq, Nk: None)
+
+
+def _fuzz_problems(d=64):
+    rng = np.random.default_rng(0)
+    q = np.zeros((1, 2, 8, d), np.float16)
+    return [make_problem(q, q, q, dropout_p=drop, score_mod=sf(rng, 1, 2, 8, 8), mask_mod=mf(rng, 1, 2, 8, 8))
+            for sf in FUZZ_SCORE_MODS for mf in FUZZ_MASK_MODS for drop in (0.0, 0.5)]
+
+
+@pytest.fixture(scope="module")
+def gpu_built():
+    """Every module the GPU tests launch, built in parallel first (NVRTC, one per modifier text, dropout
+    switch, dtype and padded head dim)."""
+    from sandbox.device import arch
+    units = {}
+    for dtype in ("float16", "bfloat16"):
+        for name in ("fa3", "fa3-ws"):
+            units.update(dict.fromkeys(_units(name, dtype, _case_problems(dtype))))
+        units.update(dict.fromkeys(_units("fa3", dtype, _fuzz_problems())))
+    units.update(dict.fromkeys(_units("fa3-wgmma", "float16", _case_problems("float16"))))
+    for (params, d, _), p in zip(EXTRA, _extra_problems()):
+        units.update(dict.fromkeys(_units(params, "float16", [p])))
+    loader.prebuild(list(units), arch())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["fa3", "fa3-ws"])
+def test_modifiers_match_oracle_forward_and_backward(gpu_built, name, dtype):
+    bound = get_variant(name)
+    for case in _gpu_cases(dtype):
+        fuzz.assert_case(bound, case, "backward")
+
+
+@pytest.mark.gpu
+def test_fa3_wgmma_modifiers_match_oracle(gpu_built):
+    bound = get_variant("fa3-wgmma")
+    for case in _gpu_cases("float16"):
+        fuzz.assert_case(bound, case, "backward")
+
+
+# fa3's ping-pong loop and d = 256 (forward only) with a score and a mask modifier
+EXTRA = [(("fa3", {"pingpong": True}), 64, "backward"), (("fa3", {}), 256, "forward")]
+
+
+def _extra_case(d):
+    sm, mm = _combos()[1]
+    return fuzz.Case(B, HQ, HKV, NQ, NK, d, "float16", {"causal": True, "score_mod": sm, "mask_mod": mm}, 3)
+
+
+def _extra_problems():
+    out = []
+    for _, d, _ in EXTRA:
+        case = _extra_case(d)
+        out.append(make_problem(*case.inputs()[:3], **case.options))
+    return out
+
+
+@pytest.mark.gpu
+def test_pingpong_and_wide_head_dims_with_modifiers(gpu_built):
+    for (name, params), d, direction in EXTRA:
+        fuzz.assert_case(get_variant(name, **params), _extra_case(d), direction)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_modifiers_fuzzed_against_oracle(gpu_built, dtype):
+    """Hypothesis with a modifier in every case (softcap or ALiBi with random parameters, a document mask
+    in half); head dims that pad to 64, so that the modules stay few."""
+    from hypothesis import given, settings
+    bound = get_variant("fa3")
+    limits = fuzz.Limits(max_n=200, dims=(16, 40, 64))
+
+    @settings(max_examples=15, deadline=None)
+    @given(fuzz.cases(bound, dtype, limits, score_mods=FUZZ_SCORE_MODS, mask_mods=FUZZ_MASK_MODS))
+    def check(case):
+        fuzz.assert_case(bound, case, "backward")
+
+    check()
