@@ -159,13 +159,8 @@ def modifiers(data, path):
     plot(data, path)
 
 
-def varlen(data, path):
-    from .varlen_bench import plot
-    plot(data, path)
-
-
 DRAW = {"grid": grid, "variants": variants, "softmax": softmax, "io": io, "memory": memory,
-        "blocksparse": blocksparse, "dropout": dropout, "modifiers": modifiers, "varlen": varlen}
+        "blocksparse": blocksparse, "dropout": dropout, "modifiers": modifiers}
 
 
 def family_jsons(folder) -> list[tuple[Path, dict, str]]:
