@@ -9,17 +9,25 @@ window_size=(-1, -1) with -1 for an unbounded side, deterministic) and its (B, N
 arrays are handed to sandbox.torch as zero-copy (B, H, N, d) views, and the output comes back
 contiguous in (B, N, H, d) (one copy of O, as code written for flash-attn may `.view` it). GQA / MQA
 follow from the head counts as in flash-attn. `variant=None` is sandbox.torch's default for the
-dtype (`fa2-tc-deterministic` with deterministic=True). What the kernels do not offer is refused
-with a ValueError naming the argument rather than ignored: softcap, alibi_slopes,
-return_attn_probs (the probabilities are never materialised), a paged block_table; in the varlen
-function, device-resident cu_seqlens and dropout (sandbox/varlen.py says why).
+dtype (`fa2-tc-deterministic` with deterministic=True). `softcap` and `alibi_slopes` become a score
+modifier (sandbox/modifiers.py) with flash-attn's meaning, compiled into the kernels of the variants
+that take modifiers (fa2-tc, fa3, the Numba variants; `score_modifier` below): on the scaled score s,
+softcap * tanh(s / softcap) first, then ALiBi, slope * j when causal and -slope * |i + Nk - Nq - j|
+otherwise (flash-attn's kernels: the causal form differs from the non-causal one by a per-row
+constant, which the softmax ignores but the returned lse keeps). What the kernels do not offer is
+refused with a ValueError naming the argument rather than ignored: return_attn_probs (the
+probabilities are never materialised), a paged block_table; softcap and alibi_slopes in the varlen
+and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
+device-resident cu_seqlens and dropout (sandbox/varlen.py says why).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
-from . import decode
+from . import decode, modifiers
 from . import torch as st
 from .problem import OptionTypeError
 
@@ -35,13 +43,80 @@ def _window(window_size):
     return None if left is None and right is None else (left, right)
 
 
-def _refuse(softcap, alibi_slopes, return_attn_probs):
-    if softcap:
-        raise ValueError(f"softcap={softcap!r} is not supported by the sandbox's kernels (only softcap=0.0)")
-    if alibi_slopes is not None:
-        raise ValueError("alibi_slopes is not supported by the sandbox's kernels (pass None)")
+def _refuse(softcap, alibi_slopes, return_attn_probs, where=None):
+    """where: the function that takes no modifiers (varlen, kvcache), or None (softcap and ALiBi run)."""
+    if where is not None and softcap:
+        raise ValueError(f"softcap={softcap!r} is not supported by {where} (packed and split problems take "
+                         "no modifiers; only softcap=0.0)")
+    if where is not None and alibi_slopes is not None:
+        raise ValueError(f"alibi_slopes is not supported by {where} (packed and split problems take no "
+                         "modifiers; pass None)")
     if return_attn_probs:
         raise ValueError("return_attn_probs=True is not supported: the kernels never materialise the probabilities")
+
+
+# ---- softcap and ALiBi as one score modifier, in flash-attn's meaning (module docstring)
+
+def _slope_np(slopes, b, h):
+    return slopes[np.minimum(b, slopes.shape[0] - 1), h]
+
+
+def _capped_np(s, cap):
+    return s if cap[0] == 0 else cap[0] * np.tanh(s / cap[0])
+
+
+def _fa_np(s, b, h, i, j, cap, slopes, geom):
+    """geom = [Nk - Nq, causal]: causal adds slope * j, else -slope * |i + Nk - Nq - j|."""
+    bias = np.where(geom[1] != 0, 1.0 * j, -np.abs(i + geom[0] - j))
+    return _capped_np(s, cap) + _slope_np(slopes, b, h) * bias
+
+
+def _fa_grad_np(s, b, h, i, j, cap, slopes, geom):
+    return np.ones_like(s) if cap[0] == 0 else 1.0 - np.tanh(s / cap[0]) ** 2
+
+
+def _fa_scalar(s, b, h, i, j, cap, slopes, geom):
+    c = s if cap[0] == 0 else cap[0] * math.tanh(s / cap[0])
+    bias = 1.0 * j if geom[1] != 0 else -abs(i + geom[0] - j)
+    return c + slopes[min(b, slopes.shape[0] - 1), h] * bias
+
+
+def _fa_grad_scalar(s, b, h, i, j, cap, slopes, geom):
+    if cap[0] == 0:
+        return 1.0
+    t = math.tanh(s / cap[0])
+    return 1.0 - t * t
+
+
+_FA_SLOPE = "slopes[min(b, slopes_shape0 - 1) * slopes_shape1 + h]"
+
+
+def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, causal: bool):
+    """flash-attn's softcap (a float, 0 for none) and alibi_slopes ((Hq,) or (B, Hq), fp32, a tensor or
+    array; None for none) as one ScoreMod, or None when neither is given. The CUDA text has the
+    softcap and the causal / non-causal ALiBi form fixed (one module each), the values in buffers."""
+    cap = float(softcap) if softcap else 0.0
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
+    if not cap and alibi_slopes is None:
+        return None
+    if alibi_slopes is None:
+        return modifiers.softcap(cap)
+    slopes = alibi_slopes.detach().cpu().numpy() if torch.is_tensor(alibi_slopes) else np.asarray(alibi_slopes)
+    slopes = np.asarray(slopes, dtype=np.float64)
+    if slopes.ndim == 1:
+        slopes = slopes[None]
+    if slopes.ndim != 2 or slopes.shape[1] != Hq or slopes.shape[0] not in (1, B):
+        raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}) (batch, query heads); "
+                         f"got {tuple(np.shape(alibi_slopes))}")
+    capped = "cap[0] * fa_tanh(s * cap[1])" if cap else "s"
+    bias = "fj" if causal else "(-fabsf(fi + geom[0] - fj))"
+    grad = "1.0f - fa_tanh(s * cap[1]) * fa_tanh(s * cap[1])" if cap else "1.0f"
+    return modifiers.ScoreMod(
+        "flash_attn_bias", _fa_np, _fa_scalar, f"{capped} + {_FA_SLOPE} * {bias}", _fa_grad_np, _fa_grad_scalar,
+        grad, buffers={"cap": np.array([cap, 1.0 / cap if cap else 0.0]), "slopes": slopes,
+                       "geom": np.array([float(Nk - Nq), 1.0 if causal else 0.0])},
+        params={"softcap": cap, "causal": bool(causal)})
 
 
 def _variant(variant, deterministic, dtype):
@@ -57,6 +132,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
         if x.dim() != 4:
             raise ValueError(f"{nm} must be (batch, seqlen, heads, d); got shape {tuple(x.shape)}")
+    mod = score_modifier(softcap, alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1], bool(causal))
+    if mod is not None:
+        if "score_mod" in params:
+            raise ValueError("pass either softcap / alibi_slopes or score_mod, not both")
+        params = dict(params, score_mod=mod)
     out = st.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                        variant=_variant(variant, deterministic, q.dtype), causal=causal, scale=softmax_scale,
                        dropout_p=dropout_p, window=_window(window_size), enable_gqa=q.shape[2] != k.shape[2],
@@ -83,7 +163,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None, *, variant=None,
                            **params):
     """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), host cu_seqlens; returns (total_q, Hq, d)."""
-    _refuse(softcap, alibi_slopes, return_attn_probs)
+    _refuse(softcap, alibi_slopes, return_attn_probs, "flash_attn_varlen_func")
     if block_table is not None:
         raise ValueError("block_table (a paged KV cache) is not supported yet (pass None)")
     if dropout_p:
@@ -105,7 +185,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     aligned). num_splits=0 is automatic (decode.forward's num_splits=None). Rotary embeddings,
     cache_batch_idx and cache_leftpad are refused by name. Returns out (B, Nq, Hq, d) [, lse
     (B, Hq, Nq)]; no autograd."""
-    _refuse(softcap, alibi_slopes, False)
+    _refuse(softcap, alibi_slopes, False, "flash_attn_with_kvcache")
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad)):
         if value is not None:

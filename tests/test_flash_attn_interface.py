@@ -1,9 +1,11 @@
 """sandbox.flash_attn (flash-attn's interface) on the CPU: a Numba variant under the simulator against
 PyTorch's SDPA in flash-attn's (B, N, H, d) layout, with gradients; what it refuses."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 fa = pytest.importorskip("sandbox.flash_attn")
+from sandbox import modifiers  # noqa: E402
 F = torch.nn.functional
 
 VARIANT = "numba-rowwise"
@@ -69,13 +71,78 @@ def test_varlen_is_each_sequence_alone():
         torch.testing.assert_close(out[a:b], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs,match", [({"softcap": 30.0}, "softcap"), ({"alibi_slopes": torch.ones(4)}, "alibi"),
+@pytest.mark.parametrize("kwargs,match", [({"softcap": -1.0}, "softcap"), ({"softcap": float("inf")}, "softcap"),
+                                          ({"alibi_slopes": torch.ones(3)}, "alibi_slopes"),
+                                          ({"alibi_slopes": torch.ones(3, 4)}, "alibi_slopes"),
                                           ({"return_attn_probs": True}, "probabilities"),
                                           ({"window_size": 3}, "window_size")])
 def test_refusals_name_the_argument(kwargs, match):
     q, k, v = _inputs()
     with pytest.raises((ValueError, TypeError), match=match):
         fa.flash_attn_func(q, k, v, variant=VARIANT, **kwargs)
+
+
+def _reference(q, k, v, causal, softcap=0.0, slopes=None, scale=None):
+    """flash-attn's meaning in plain torch (B, N, H, d): scaled scores, softcap, then ALiBi (slope * j
+    when causal, else -slope * |i + Nk - Nq - j|), the causal mask bottom-right aligned; (out, lse)."""
+    B, nq, hq, d = q.shape
+    nk = k.shape[1]
+    rep = hq // k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1), v.transpose(1, 2).repeat_interleave(rep, 1)
+    s = qh @ kh.transpose(-1, -2) * (scale if scale is not None else d ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    if slopes is not None:
+        sl = slopes.reshape(-1, hq)[:, :, None, None].expand(B, hq, 1, 1)
+        s = s + sl * (j.to(s.dtype) if causal else -(i + nk - nq - j).abs().to(s.dtype))
+    if causal:
+        s = s.masked_fill(j > i + nk - nq, float("-inf"))
+    return (torch.softmax(s, -1) @ vh).transpose(1, 2), torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap,alibi", [(5.0, None), (0.0, "heads"), (3.0, "batch-heads")])
+def test_softcap_and_alibi_have_flash_attns_meaning(causal, softcap, alibi):
+    """softcap and alibi_slopes run as a compiled score modifier (the Numba variant's scalar form here),
+    against flash-attn's formulas, forward and gradients; Nq != Nk so that the alignment shows."""
+    q, k, v = _inputs(nq=5, nk=9)
+    g = torch.Generator().manual_seed(7)
+    slopes = {None: None, "heads": torch.rand(4, generator=g), "batch-heads": torch.rand(2, 4, generator=g)}[alibi]
+    out = fa.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes, variant=VARIANT)
+    ref, _ = _reference(q, k, v, causal, softcap, slopes)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_softcap_and_alibi_lse_is_flash_attns():
+    """The modifier's NumPy form (the oracle's) gives flash-attn's lse, causal ALiBi's row constant included."""
+    from sandbox import oracle
+    q, k, v = _inputs(nq=5, nk=9)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    for causal in (False, True):
+        mod = fa.score_modifier(2.0, slopes, 2, 4, 5, 9, causal)
+        qn, kn, vn = (x.detach().transpose(1, 2).numpy() for x in (q, k, v))
+        out, lse = oracle.forward(qn, kn, vn, causal=causal, score_mod=mod)
+        ref_out, ref_lse = _reference(q.detach(), k.detach(), v.detach(), causal, 2.0, slopes)
+        np.testing.assert_allclose(out.transpose(0, 2, 1, 3), ref_out.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse, ref_lse.numpy(), rtol=1e-5, atol=1e-6)
+    assert fa.score_modifier(0.0, None, 2, 4, 5, 9, False) is None
+    assert fa.score_modifier(3.0, None, 2, 4, 5, 9, False).name == "softcap"
+    assert modifiers.twin_errors(fa.score_modifier(2.0, slopes, 2, 4, 5, 9, False), B=2, H=4, Nq=5, Nk=9) == []
+
+
+@pytest.mark.parametrize("fn", ["varlen", "kvcache"])
+def test_softcap_and_alibi_are_refused_where_problems_are_split(fn):
+    q, k, v = _inputs(b=1)
+    with pytest.raises(ValueError, match="softcap"):
+        if fn == "varlen":
+            fa.flash_attn_varlen_func(q[0], k[0], v[0], [0, 9], [0, 9], 9, 9, softcap=2.0, variant=VARIANT)
+        else:
+            fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=[9], softcap=2.0, variant=VARIANT)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
