@@ -125,6 +125,16 @@ def _problem_dims(args, gpu: bool) -> tuple[int, int, int, int]:
     return B, H, N, d
 
 
+def _dims_text(dims) -> str:
+    """'1..128' as the summary gives it; a list in steps of one stride as 'a..b step s' (8..256 step 8)."""
+    if isinstance(dims, str) or len(dims) < 3:
+        return str(dims)
+    step = dims[1] - dims[0]
+    if all(b - a == step for a, b in zip(dims, dims[1:])):
+        return f"{dims[0]}..{dims[-1]} step {step}"
+    return str(dims)
+
+
 def cmd_list(args):
     rows = []
     for v in variants():
@@ -133,7 +143,7 @@ def cmd_list(args):
         if caps.get("max_query_rows") is not None:
             feats.append(f"Nq<={caps['max_query_rows']}")
         params = ", ".join(f"{k}∈{p['choices']}" for k, p in v["params"].items()) or "-"
-        rows.append((v["name"], v["family"], v["backend"], "/".join(caps["dtypes"]), caps["head_dims"],
+        rows.append((v["name"], v["family"], v["backend"], "/".join(caps["dtypes"]), _dims_text(caps["head_dims"]),
                      " ".join(feats), params))
     print(_table(("variant", "family", "backend", "dtypes", "head dims", "features", "parameters"), rows))
     if args.json:
