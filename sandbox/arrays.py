@@ -41,12 +41,12 @@ def to_device(x, name="array"):
 
     CUDA kernels take strides but index d with unit stride; NumPy inputs are copied (contiguous),
     device arrays are taken as they are and rejected if their last axis is strided."""
-    d = _to_device(x)
+    d = _to_device(x, name)
     check_unit_stride_d(d, name)
     return d
 
 
-def _to_device(x):
+def _to_device(x, name="array"):
     cp = cupy_or_none()
     if cp is None:
         raise RuntimeError("CUDA arrays need a GPU with CuPy installed")
@@ -56,7 +56,7 @@ def _to_device(x):
     if kind == "numpy":
         return cp.asarray(x)
     if kind == "torch":
-        return torch_to_cupy(x)
+        return torch_to_cupy(x, name)
     if hasattr(x, "__cuda_array_interface__"):
         return cp.asarray(x)
     return cp.from_dlpack(x)

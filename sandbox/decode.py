@@ -327,19 +327,29 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     return out, lse
 
 
-def _kernel_path(q, k_cache, variant, params) -> bool:
+def _kernel_path(q, others, variant, params) -> bool:
     """Whether a call takes the kernel: device arrays (CuPy, torch CUDA) of a dtype, head dim and
-    query count it runs, no variant named, no variant parameters (the refused options aside)."""
+    query count it runs, no variant named, no variant parameters (the refused options aside).
+    others: k_cache, v_cache, k_new, v_new (None where absent); when q is on a GPU, each must be the
+    same kind of array on q's device (ValueError naming it): the kernel reads them by pointer there."""
     if variant is not None or any(k not in ("dropout_p", "score_mod", "mask_mod", "seed", "offset") for k in params):
         return False
     kind = arrays.kind_of(q)
-    if kind == "torch":
-        if not (q.is_cuda and k_cache.is_cuda):
-            return False
-    elif kind != "cupy" or arrays.kind_of(k_cache) != "cupy":
+    if kind == "torch" and not q.is_cuda or kind not in ("torch", "cupy"):
         return False
     from .precision import dtype_name
-    return kernel_refusal(dtype_name(q), q.shape[-1], q.shape[2]) is None
+    if kernel_refusal(dtype_name(q), q.shape[-1], q.shape[2]) is not None:
+        return False
+    device = q.device.index if kind == "torch" else q.device.id
+    for x, nm in zip(others, ("k_cache", "v_cache", "k_new", "v_new")):
+        if x is None:
+            continue
+        where = (arrays.kind_of(x), x.device.index if arrays.kind_of(x) == "torch" and x.is_cuda else
+                 x.device.id if arrays.kind_of(x) == "cupy" else None)
+        if where != (kind, device):
+            raise ValueError(f"{nm} must be a {kind} array on q's CUDA device {device} (the decode kernel reads it "
+                             f"there); got a {where[0]} array on {getattr(x, 'device', 'the host')}")
+    return True
 
 
 def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_new=None, causal=False,
@@ -390,11 +400,12 @@ def forward(q, k_cache, v_cache, cache_seqlens, block_table=None, k_new=None, v_
     if scale is None:
         scale = 1.0 / float(np.sqrt(d))
     probe_k = k_cache[:1, :, :1]                         # (1, Hkv, 1, d): dtype, heads and d as every call's
-    if _kernel_path(q, k_cache, variant, params):
+    probe_v = v_cache[:1, :, :1]                         # v_cache's dtype checked too (a bf16 V beside fp16 K)
+    if _kernel_path(q, (k_cache, v_cache, k_new, v_new), variant, params):
         return _forward_kernel(q, k_cache, v_cache, lens, nnew, table, k_new, v_new, causal, scale, window,
-                               num_splits, probe_k)
+                               num_splits, probe_k, probe_v)
     # every rejection (variant, dtype, head dim, options) before the cache is written
-    api.forward_checks(q[:1], probe_k, probe_k, variant=variant, scale=scale, causal=causal, window=window, **params)
+    api.forward_checks(q[:1], probe_k, probe_v, variant=variant, scale=scale, causal=causal, window=window, **params)
     lo, hi = relative_band(causal, window)
     if num_splits is None:                               # one split per 8192 keys of the longest sequence, <= 8
         num_splits = max(1, min(8, int((lens + nnew).max()) // 8192))
@@ -454,10 +465,10 @@ def _chunk_window(lo: int, hi: int, delta: int):
 
 
 def _forward_kernel(q, k_cache, v_cache, lens, nnew, table, k_new, v_new, causal, scale, window, num_splits,
-                    probe_k):
+                    probe_k, probe_v):
     """The kernel path of `forward`: checks (options, page size, alignment) before the append, then
     the append, the uploads and the two launches on the caller's stream."""
-    make_problem(q[:1], probe_k, probe_k, causal, scale, 0.0, 0, 0, window)      # options' types and ranges
+    make_problem(q[:1], probe_k, probe_v, causal, scale, 0.0, 0, 0, window)      # dtypes, options' types and ranges
     paged = table is not None
     if paged:
         page_size = k_cache.shape[2]

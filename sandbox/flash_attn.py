@@ -12,9 +12,10 @@ follow from the head counts as in flash-attn. `variant=None` is sandbox.torch's 
 dtype (`fa2-tc-deterministic` with deterministic=True). `softcap` and `alibi_slopes` become a score
 modifier (sandbox/modifiers.py) with flash-attn's meaning, compiled into the kernels of the variants
 that take modifiers (fa2-tc, fa3, the Numba variants; `score_modifier` below): on the scaled score s,
-softcap * tanh(s / softcap) first, then ALiBi, slope * j when causal and -slope * |i + Nk - Nq - j|
-otherwise (flash-attn's kernels: the causal form differs from the non-causal one by a per-row
-constant, which the softmax ignores but the returned lse keeps). What the kernels do not offer is
+softcap * tanh(s / softcap) first, then ALiBi, slope * j where flash-attn's kernels take the call as
+causal (an unbounded left window and right = 0: `_alibi_causal_form`) and -slope * |i + Nk - Nq - j|
+otherwise (the two forms differ by a per-row constant, which the softmax ignores but the lse keeps).
+Slopes given as a CUDA tensor are read to the host once per tensor and in-place version. What the kernels do not offer is
 refused with a ValueError naming the argument rather than ignored: return_attn_probs (the
 probabilities are never materialised), a paged block_table; softcap and alibi_slopes in the varlen
 and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
@@ -89,6 +90,32 @@ def _fa_grad_scalar(s, b, h, i, j, cap, slopes, geom):
 
 
 _FA_SLOPE = "slopes[min(b, slopes_shape0 - 1) * slopes_shape1 + h]"
+_HOST_SLOPES: dict = {}       # (pointer, version, shape, dtype, device) -> host copy
+
+
+def _host_slopes(t) -> np.ndarray:
+    """The host values of an ALiBi slopes tensor. flash-attn takes them on the GPU; reading them is a
+    device-to-host copy that waits for the stream, so a tensor seen before (same storage, shape and
+    in-place version) is read once, not on every call (models pass one fixed slopes buffer)."""
+    key = (t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
+    host = _HOST_SLOPES.get(key)
+    if host is None:
+        if len(_HOST_SLOPES) > 64:
+            _HOST_SLOPES.clear()
+        host = _HOST_SLOPES[key] = t.detach().cpu().numpy().astype(np.float64)
+    return host
+
+
+def _alibi_causal_form(causal, window_size, Nk: int) -> bool:
+    """flash-attn's choice of ALiBi form: its kernels treat a call as causal when the window's left
+    side is unbounded and its right side is 0 (causal sets right = 0; a side >= Nk counts as unbounded),
+    so causal with a finite left window takes the |i + Nk - Nq - j| form and window (-1, 0) the
+    causal one. The two differ by a per-row constant: the same out and gradients, another lse."""
+    left, right = (int(x) for x in window_size) if isinstance(window_size, (tuple, list)) else (-1, -1)
+    if causal:
+        right = 0
+    left, right = (-1 if x >= Nk else x for x in (left, right))
+    return left < 0 and right == 0
 
 
 def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, causal: bool):
@@ -102,8 +129,7 @@ def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, cau
         return None
     if alibi_slopes is None:
         return modifiers.softcap(cap)
-    slopes = alibi_slopes.detach().cpu().numpy() if torch.is_tensor(alibi_slopes) else np.asarray(alibi_slopes)
-    slopes = np.asarray(slopes, dtype=np.float64)
+    slopes = np.asarray(_host_slopes(alibi_slopes) if torch.is_tensor(alibi_slopes) else alibi_slopes, dtype=np.float64)
     if slopes.ndim == 1:
         slopes = slopes[None]
     if slopes.ndim != 2 or slopes.shape[1] != Hq or slopes.shape[0] not in (1, B):
@@ -132,7 +158,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
         if x.dim() != 4:
             raise ValueError(f"{nm} must be (batch, seqlen, heads, d); got shape {tuple(x.shape)}")
-    mod = score_modifier(softcap, alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1], bool(causal))
+    mod = score_modifier(softcap, alibi_slopes, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                         _alibi_causal_form(causal, window_size, k.shape[1]))
     if mod is not None:
         if "score_mod" in params:
             raise ValueError("pass either softcap / alibi_slopes or score_mod, not both")

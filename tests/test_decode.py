@@ -207,7 +207,28 @@ def test_kernel_path_refuses_page_sizes_before_touching_anything():
     kc = np.zeros((4, 2, 24, 64), np.float16)
     with pytest.raises(ValueError, match="page_size=24"):
         decode._forward_kernel(q, kc, kc.copy(), np.array([30]), 0, np.array([[0, 1, 2, 3]]), None, None, False,
-                               0.125, None, None, kc[:1, :, :1])
+                               0.125, None, None, kc[:1, :, :1], kc[:1, :, :1])
+
+
+def test_kernel_path_checks_v_caches_dtype_before_touching_anything():
+    """A v_cache of another dtype than k_cache is refused by name, not read as k's dtype by the kernel."""
+    q = np.zeros((1, 4, 1, 64), np.float16)
+    kc = np.zeros((1, 2, 32, 64), np.float16)
+    vc = np.zeros((1, 2, 32, 64), np.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        decode._forward_kernel(q, kc, vc, np.array([30]), 0, None, None, None, False, 0.125, None, None,
+                               kc[:1, :, :1], vc[:1, :, :1])
+    with pytest.raises(ValueError, match="dtype"):
+        decode.forward(q, kc, vc, [30], variant="numba-rowwise")
+
+
+@pytest.mark.skipif(not __import__("sandbox.device", fromlist=["x"]).has_gpu(), reason="needs CuPy on a GPU")
+def test_kernel_path_refuses_a_cache_on_the_host_by_name():
+    import cupy as cp
+    q = cp.zeros((1, 4, 1, 64), cp.float16)
+    kc = cp.zeros((1, 2, 32, 64), cp.float16)
+    with pytest.raises(ValueError, match="v_cache"):
+        decode.forward(q, kc, np.zeros((1, 2, 32, 64), np.float16), [30])
 
 
 def test_variant_refuses_more_than_16_rows_and_is_listed():

@@ -135,6 +135,16 @@ def test_softcap_and_alibi_lse_is_flash_attns():
     assert modifiers.twin_errors(fa.score_modifier(2.0, slopes, 2, 4, 5, 9, False), B=2, H=4, Nq=5, Nk=9) == []
 
 
+def test_alibi_form_follows_flash_attns_effective_causality():
+    assert fa._alibi_causal_form(True, (-1, -1), 9) and fa._alibi_causal_form(False, (-1, 0), 9)
+    assert not fa._alibi_causal_form(True, (3, -1), 9) and not fa._alibi_causal_form(False, (-1, -1), 9)
+    assert fa._alibi_causal_form(True, (9, -1), 9)        # a left side >= Nk is unbounded
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    assert fa._host_slopes(slopes) is fa._host_slopes(slopes)    # read once
+    slopes.mul_(2.0)                                             # an in-place change is read again
+    np.testing.assert_array_equal(fa._host_slopes(slopes), [1.0, 0.5, 0.25, 0.125])
+
+
 @pytest.mark.parametrize("fn", ["varlen", "kvcache"])
 def test_softcap_and_alibi_are_refused_where_problems_are_split(fn):
     q, k, v = _inputs(b=1)
