@@ -26,28 +26,10 @@ from sandbox.registry import all_variants
 from variants.fa2_tc import ModKernel
 from variants.fa3_wgmma import d_pad, forward_tiles
 
-B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
+from mod_cases import (B, C_OF, HKV, HQ, NK, NQ, PTR_OF, declared_params as _declared_params,  # noqa: F401
+                       mask_mods as _mask_mods, problem as _problem, score_mods as _score_mods)
 HOPPER = ("fa3-wgmma", "fa3-ws", "fa3")
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _score_mods():
-    rng = np.random.default_rng(0)
-    return {"softcap": M.softcap(2.0), "alibi": M.alibi(M.alibi_slopes(HQ)),
-            "relative_bias": M.relative_bias(rng.standard_normal((HQ, 7)), 3),
-            "sinks": M.sinks(rng.normal(size=HQ)), "softcap+sinks": M.softcap(3.0).with_sinks([0.5])}
-
-
-def _mask_mods():
-    ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
-    kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
-    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
-
-
-def _problem(score_mod=None, mask_mod=None, d=64, **kw):
-    q = np.zeros((B, HQ, NQ, d), np.float16)
-    k = np.zeros((B, HKV, NK, d), np.float16)
-    return make_problem(q, k, k, score_mod=score_mod, mask_mod=mask_mod, **kw)
 
 
 def _config(name, **kw):
@@ -89,22 +71,6 @@ def test_kernels_take_mod_params_after_the_dropout_params(source):
     assert '#include "tc_mods.cuh"' in text and re.search(r"MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS\)", text)
     for call in ("mod_scores(", "fold_sinks(", "mod_tile_index(", "mod_softmax_scale("):
         assert call in text, call
-
-
-def _declared_params(options) -> list[str]:
-    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
-    header = loader.source_text("tc_mods.cuh")
-    body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
-    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
-    for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
-        body = body.replace(name, macros.get(name, ""))
-    decls = [x.strip() for x in body.split(",") if x.strip()]
-    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).strip() for x in decls]
-
-
-C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
-PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
-          np.dtype(np.uint8): "const unsigned char*", np.dtype(np.int8): "const signed char*"}
 
 
 @pytest.mark.parametrize("name", ["fa3", "fa3-wgmma"])

@@ -8,7 +8,6 @@ launch. With a GPU (`pytest -m gpu`): fa2-tc and fa2-tc-deterministic against th
 built-in modifier, forward and backward, fp16 and bf16 (explicit cases and Hypothesis), and
 sandbox.torch.attention with score_mod= / mask_mod= through autograd.
 """
-import re
 
 import numpy as np
 import pytest
@@ -20,26 +19,8 @@ from sandbox.problem import make_problem
 from sandbox.registry import all_variants
 from variants.fa2_tc import ModKernel, TCConfig, d_pad, modifier_args, modifier_tiles
 
-B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
-
-
-def _score_mods():
-    rng = np.random.default_rng(0)
-    return {"softcap": M.softcap(2.0), "alibi": M.alibi(M.alibi_slopes(HQ)),
-            "relative_bias": M.relative_bias(rng.standard_normal((HQ, 7)), 3),
-            "sinks": M.sinks(rng.normal(size=HQ)), "softcap+sinks": M.softcap(3.0).with_sinks([0.5])}
-
-
-def _mask_mods():
-    ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
-    kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
-    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
-
-
-def _problem(score_mod=None, mask_mod=None, dtype=np.float16, d=64, **kw):
-    q = np.zeros((B, HQ, NQ, d), dtype)
-    k = np.zeros((B, HKV, NK, d), dtype)
-    return make_problem(q, k, k, score_mod=score_mod, mask_mod=mask_mod, **kw)
+from mod_cases import (B, C_OF, HKV, HQ, NK, NQ, PTR_OF, declared_params as _declared_params,  # noqa: F401
+                       mask_mods as _mask_mods, problem as _problem, score_mods as _score_mods)
 
 
 # ---- no GPU: capabilities, units, argument packing, tile tables, refusals
@@ -84,22 +65,6 @@ def test_modifier_units_carry_their_text_and_one_dropout_switch():
     bw = cfg.backward_unit("float16", 64, ModKernel.of(_problem(sm["softcap"], mm["document"]), backward=True))
     assert "-DFA_SCORE_MOD_GRAD=1" in bw.options and "-DFA_MASK_MOD=1" in bw.options
     assert M.softcap(1.0).cuda_key in bw.label and mm["document"].cuda_key in bw.label
-
-
-def _declared_params(options) -> list[str]:
-    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
-    header = loader.source_text("tc_mods.cuh")
-    body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
-    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
-    for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
-        body = body.replace(name, macros.get(name, ""))
-    decls = [x.strip() for x in body.split(",") if x.strip()]
-    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).strip() for x in decls]
-
-
-C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
-PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
-          np.dtype(np.uint8): "const unsigned char*"}
 
 
 @pytest.mark.parametrize("sm_name,mm_name", [(a, b) for a in (None, *_score_mods()) for b in (None, *_mask_mods())

@@ -1,0 +1,47 @@
+"""Shared fixtures of the compiled-modifier tests (tests/test_modifiers_tc.py for fa2-tc,
+tests/test_modifiers_hopper.py for the Hopper rungs): one problem shape, the built-in modifiers
+drawn the same way, and the C parameter types MOD_PARAMS declares (kernels_cu/tc_mods.cuh) once a
+module's -D options are substituted, to hold the host's argument packing to them."""
+import re
+
+import numpy as np
+
+from sandbox import loader, modifiers as M
+from sandbox.problem import make_problem
+
+B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
+
+
+def score_mods():
+    rng = np.random.default_rng(0)
+    return {"softcap": M.softcap(2.0), "alibi": M.alibi(M.alibi_slopes(HQ)),
+            "relative_bias": M.relative_bias(rng.standard_normal((HQ, 7)), 3),
+            "sinks": M.sinks(rng.normal(size=HQ)), "softcap+sinks": M.softcap(3.0).with_sinks([0.5])}
+
+
+def mask_mods():
+    ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
+    kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
+    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
+
+
+def problem(score_mod=None, mask_mod=None, dtype=np.float16, d=64, **kw):
+    q = np.zeros((B, HQ, NQ, d), dtype)
+    k = np.zeros((B, HKV, NK, d), dtype)
+    return make_problem(q, k, k, score_mod=score_mod, mask_mod=mask_mod, **kw)
+
+
+def declared_params(options) -> list[str]:
+    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
+    header = loader.source_text("tc_mods.cuh")
+    body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
+    macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
+    for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
+        body = body.replace(name, macros.get(name, ""))
+    decls = [x.strip() for x in body.split(",") if x.strip()]
+    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).strip() for x in decls]
+
+
+C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
+PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
+          np.dtype(np.uint8): "const unsigned char*", np.dtype(np.int8): "const signed char*"}
