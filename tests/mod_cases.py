@@ -5,8 +5,10 @@ module's -D options are substituted, to hold the host's argument packing to them
 import re
 
 import numpy as np
+import pytest
 
 from sandbox import loader, modifiers as M
+from sandbox.device import has_gpu
 from sandbox.problem import make_problem
 
 B, HQ, HKV, NQ, NK = 2, 4, 2, 70, 90
@@ -45,3 +47,14 @@ def declared_params(options) -> list[str]:
 C_OF = {np.dtype(np.int32): "int", np.dtype(np.float32): "float"}
 PTR_OF = {np.dtype(np.float32): "const float*", np.dtype(np.int32): "const int*",
           np.dtype(np.uint8): "const unsigned char*", np.dtype(np.int8): "const signed char*"}
+
+
+def compile_reports(units, arch: str) -> dict:
+    """unit -> its ptxas reports, the units built in parallel through the disk cache (NVRTC on the CPU);
+    skipped without cuda.bindings and on a GPU machine (NVRTC logs are empty under pytest on the GPU
+    image: tests/test_compile.py)."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for NVRTC builds")
+    if has_gpu():
+        pytest.skip("compile-only check (NVRTC logs are empty under pytest on the GPU image: tests/test_compile.py)")
+    loader.prebuild(units, arch)
+    return {u: loader.compile_only(u, arch) for u in units}
