@@ -152,8 +152,16 @@ def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
         import cupy as cp
         qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
         table = _upload_ints(np.concatenate([seqs.ravel(), blocks.ravel()]), cp)   # one copy, pinned, async
-        out, lse = impl.forward_varlen(qb, kb, vb, table[:seqs.size], table[seqs.size:], scale, cfg)
+        out, lse = impl.forward_varlen(qb, kb, vb, *split_tables(table, seqs.shape, blocks.shape), scale, cfg)
         return arrays.like(out, kind), arrays.like(lse, kind)
+
+
+def split_tables(table, seqs_shape, blocks_shape):
+    """The sequence and block tables as views of their one uploaded array (seqs then blocks, raveled),
+    in their own shapes ([S, SEQ_INTS], [blocks, 2]): forward_varlen launches blocks.shape[0] blocks,
+    so a flat block table would launch twice as many, the second half reading past the table."""
+    n = int(np.prod(seqs_shape))
+    return table[:n].reshape(seqs_shape), table[n:].reshape(blocks_shape)
 
 
 def tables(lq, lk, block_r: int, block_c: int, causal: bool, window) -> tuple[np.ndarray, np.ndarray]:

@@ -106,6 +106,23 @@ def test_varlen_arguments_match_the_kernel_parameters():
     assert ints[:6] == [1, 4, 2, 300, 400, 64]          # tile heads, Hq, group, total_q, total_k, d
 
 
+def test_uploaded_tables_keep_their_shapes():
+    """The kernel's grid.x is blocks.shape[0]: the one uploaded array must come back as [S, 6] and
+    [blocks, 2] views, not flat (a flat block table launched 2x the blocks; the extra half read its
+    entries past the table's end and faulted on the H100 with CUDA_ERROR_INVALID_ADDRESS_SPACE)."""
+    seqs, blocks = varlen.tables(CU_Q, CU_K, 128, 64, True, None)
+    table = np.concatenate([seqs.ravel(), blocks.ravel()])
+    s2, b2 = varlen.split_tables(table, seqs.shape, blocks.shape)
+    assert np.array_equal(s2, seqs) and np.array_equal(b2, blocks) and b2.shape[0] == 7
+    assert np.shares_memory(b2, table)
+    e_seqs, e_blocks = varlen.tables([0, 0, 0], [0, 4, 9], 128, 64, False, None)
+    _, e2 = varlen.split_tables(np.concatenate([e_seqs.ravel(), e_blocks.ravel()]), e_seqs.shape, e_blocks.shape)
+    assert e2.shape == (0, 2)
+    impl, q = get_variant("fa2-tc").variant.impl, np.zeros((8, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="blocks, 2"):
+        impl.forward_varlen(q, q, q, seqs, blocks.ravel(), 0.125, TCConfig())
+
+
 def test_the_single_launch_is_fa2_tcs_own_kernel():
     assert get_variant("fa2-tc").variant.impl.varlen_forward
     assert get_variant("fa2-tc-deterministic").variant.impl.varlen_forward

@@ -303,6 +303,9 @@ def modifier_args(p, tile_b, xp=None) -> tuple:
 
 # ---- launch
 
+VL_SEQ_INTS = 6    # kernels_cu/fa2_tc.cu VL_SEQ_INTS (sandbox/varlen.py SEQ_INTS)
+
+
 def varlen_args(q, k, v, out, lse, seqs, blocks, scale: float, no_layout) -> tuple:
     """The packed-sequence kernel's arguments (kernels_cu/fa2_tc.cu with FA_VARLEN): q, k, v as [1, H,
     total, d] views, out, lse, the tile table slot (a dummy: the band classifies the tiles), Hq, the
@@ -462,6 +465,11 @@ class FA2TensorCore:
         seqs, blocks the device int32 tables of sandbox.varlen.tables. Returns (out (total_q, Hq, d) contiguous,
         lse (Hq, total_q) float32). Every row of out and lse is written (a sequence without queries
         has none), so both start uninitialised."""
+        if blocks.ndim != 2 or blocks.shape[1] != 2 or seqs.ndim != 2 or seqs.shape[1] != VL_SEQ_INTS:
+            # grid.x is the number of (sequence, Q tile) rows: a flat block table would launch 2x the blocks,
+            # whose second half reads its entries past the table's end (wild sequence / tile indices)
+            raise ValueError(f"forward_varlen: tables of shapes [S, {VL_SEQ_INTS}] and [blocks, 2] expected, "
+                             f"got {tuple(seqs.shape)} and {tuple(blocks.shape)}")
         import cupy as xp
         total_q, Hq, d = q.shape
         views = [x.transpose(1, 0, 2)[None] for x in (q, k, v)]       # [1, H, total, d], zero-copy
