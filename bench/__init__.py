@@ -23,7 +23,7 @@ from pathlib import Path
 FAMILIES = {"grid": "grid", "variants": "variants_table", "softmax": "softmax_bench", "io": "io_bytes",
             "memory": "memory", "blocksparse": "blocksparse", "dropout": "dropout_bench", "host": "host_cost",
             "decode": "decode_bench",
-            "modifiers": "modifiers_bench"}
+            "modifiers": "modifiers_bench", "varlen": "varlen_bench"}
 
 
 def family(name: str):

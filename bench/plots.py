@@ -159,8 +159,13 @@ def modifiers(data, path):
     plot(data, path)
 
 
+def varlen(data, path):
+    from .varlen_bench import plot
+    plot(data, path)
+
+
 DRAW = {"grid": grid, "variants": variants, "softmax": softmax, "io": io, "memory": memory,
-        "blocksparse": blocksparse, "dropout": dropout, "modifiers": modifiers}
+        "blocksparse": blocksparse, "dropout": dropout, "modifiers": modifiers, "varlen": varlen}
 
 
 def family_jsons(folder) -> list[tuple[Path, dict, str]]:

@@ -35,9 +35,68 @@
 // columns a lane holds (element (b, h, i, j) uses word j % 4 of philox(j / 4, i, b*Hq + h, offset)).
 // Envelope (static_asserts below, ValueError in variants/fa2_tc.py): D in {64, 128} (d <= D and a
 // multiple of 8, zero-filled to D); a warp's rows and keys per tile multiples of 16.
+// Packed sequences (-DFA_VARLEN, sandbox/varlen.py; a module of its own, so that the kernels above are
+// compiled from the same text as without the switch): one launch for every sequence of a packed batch
+// in flash-attn's varlen layout. Grid (blocks, Hq): block x reads its (sequence, Q tile) from the
+// host's table (variants/fa2_tc.py varlen_tables, longest band first), the sequence's offsets, lengths
+// and band (bottom-right aligned per sequence) from the sequence table; no tile table (the band alone
+// classifies a tile), no dropout, no modifiers; out packed (total_q, Hq, d), lse (Hq, total_q).
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 #include "tc_mods.cuh"
+
+#ifdef FA_VARLEN
+#ifdef FA_MODS
+#error "FA_VARLEN: packed sequences take no modifiers"
+#endif
+// Kernel arguments after DROPOUT_PARAMS: the sequence table [S][VL_SEQ_INTS] (q offset, Nq, k offset,
+// Nk, band lo, band hi) and the block table [blocks][2] (sequence, Q tile), int32 each.
+#define VL_SEQ_INTS 6
+#define VARLEN_PARAMS , const int* __restrict__ vl_seqs, const int* __restrict__ vl_blocks
+
+// ---- device helpers (packed sequences)
+
+// The class of column tile t for rows [r0, r1] of one sequence, from its band: every tile of the band's
+// range [t0, t1] holds a visible element (the band is one interval of j - i), so none is EMPTY.
+struct VarlenTiles {
+    int r0, r1, bc, nk, lo, hi;
+    __device__ __forceinline__ int operator[](int t) const {
+        const long long c0 = (long long)t * bc, c1 = min(c0 + bc, (long long)nk) - 1;
+        return c0 - r1 >= lo && c1 - r0 <= hi ? TILE_FULL : TILE_PARTIAL;
+    }
+};
+__device__ __forceinline__ int next_live_tile(const VarlenTiles&, int t, int) { return t; }
+
+// write_output for packed rows: O [rows, Hq, d] from this sequence's first row and head (row stride
+// o_sm elements), LSE [Hq, total_q] from this sequence's first entry of the head.
+template <typename T, int MT, int ND>
+__device__ __forceinline__ void write_output_packed(const float (&o)[MT][ND][4], const float (&m)[MT][2],
+                                                    const float (&l)[MT][2], T* __restrict__ O, long long o_sm,
+                                                    float* __restrict__ LSE, int row_base, int Nq, int d, int g,
+                                                    int tq) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            float sum = l[mt][hr];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int i = row_base + mt * 16 + g + 8 * hr;
+            if (i >= Nq) continue;
+            const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;
+            T* orow = O + i * o_sm;
+#pragma unroll
+            for (int n = 0; n < ND; ++n) {
+                const int c = n * 8 + 2 * tq;
+                if (c < d)
+                    *reinterpret_cast<unsigned*>(orow + c) = Elem<T>::pack(o[mt][n][2 * hr] * inv, o[mt][n][2 * hr + 1] * inv);
+            }
+            if (tq == 0) LSE[i] = sum == 0.0f ? NEG_INF : (m[mt][hr] + log2f(sum)) * LN2;
+        }
+}
+#else
+#define VARLEN_PARAMS
+#endif
 
 // ---- kernels
 
@@ -51,7 +110,8 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
                float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
-               MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
+               MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS      // MOD_PARAMS: modifiers only (tc_mods.cuh)
+               VARLEN_PARAMS) {                          // packed sequences only (FA_VARLEN, above)
     constexpr int THREADS = WARPS * 32;
     constexpr int RW = SPLIT_Q ? BR / WARPS : BR;   // query rows per warp
     constexpr int CW = SPLIT_Q ? BC : BC / WARPS;   // keys per warp per tile
@@ -71,16 +131,33 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     float* xm = reinterpret_cast<float*>(reinterpret_cast<char*>(smem_u4) +
                                            (TILE_BYTES > RED_BYTES ? TILE_BYTES : RED_BYTES));   // [WARPS][BR]
 
+#ifdef FA_VARLEN
+    // packed: Q, K, V arrive as [1, H, total, d] views; this block's sequence moves their bases to its
+    // first row and sets Nq, Nk and the band to its own (Nq arrives as total_q, the LSE row length)
+    static_assert(!DROPOUT, "packed sequences: no dropout");
+    const int total_q = Nq, vs = vl_blocks[2 * blockIdx.x];
+    const int* seq = vl_seqs + VL_SEQ_INTS * vs;
+    const int q0 = seq[0], k0 = seq[2];
+    Nq = seq[1], Nk = seq[3], band_lo = seq[4], band_hi = seq[5];
+    Q += q0 * q_sm;
+    K += k0 * k_sm;
+    V += k0 * v_sm;
+    const int tr = vl_blocks[2 * blockIdx.x + 1], bh = blockIdx.y, b = 0, h = bh, hk = h / group;
+#endif
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
+#ifndef FA_VARLEN
     const int tr = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y,    // last Q tiles first: causal's longest rows start early
               b = bh / Hq, h = bh % Hq, hk = h / group;
+#endif
     const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC, dch = d / 8;
     const int wrow = SPLIT_Q ? warp * RW : 0, wcol = SPLIT_Q ? 0 : warp * CW;    // this warp's rows and keys
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
-#ifdef FA_MODS
+#if defined(FA_VARLEN)
+    const VarlenTiles trow{row0, min(row0 + BR, Nq) - 1, BC, Nk, band_lo, band_hi};
+#elif defined(FA_MODS)
     const signed char* trow = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
 #else
     const signed char* trow = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
@@ -166,5 +243,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #ifdef FA_MODS
     fold_sinks(o, m, l, mod_sink, h, tq);             // attention sinks join the denominator (FA_SINKS only)
 #endif
+#ifdef FA_VARLEN
+    write_output_packed<T>(o, m, l, O + ((long long)q0 * Hq + h) * d, (long long)Hq * d,
+                           LSE + (long long)h * total_q + q0, row0 + wrow, Nq, d, g, tq);
+#else
     write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
+#endif
 }

@@ -189,7 +189,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, variant=None,
                            **params):
-    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), host cu_seqlens; returns (total_q, Hq, d)."""
+    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), host cu_seqlens; returns (total_q, Hq, d).
+    One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
     _refuse(softcap, alibi_slopes, return_attn_probs, "flash_attn_varlen_func")
     if block_table is not None:
         raise ValueError("block_table (a paged KV cache) is not supported yet (pass None)")

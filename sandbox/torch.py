@@ -243,7 +243,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      causal=False, scale=None, window=None, **params):
     """Attention over packed sequences in flash-attn's varlen layout, differentiable: q (total_q, Hq, d),
     k and v (total_k, Hkv, d), cu_seqlens_q / cu_seqlens_k host offsets (S + 1). Returns out like q.
-    Every option applies within each sequence (sandbox/varlen.py: one launch per sequence; no dropout)."""
+    Every option applies within each sequence (sandbox/varlen.py: one launch for the batch with fa2-tc's
+    kernel on CUDA fp16 / bf16, else one per sequence, `single_launch=False` forcing that; the backward per
+    sequence; no dropout)."""
     if isinstance(variant, str) or variant is None:
         options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, variant=variant, causal=causal,
                        scale=scale, window=window, **params)

@@ -11,11 +11,22 @@ Every option means what it means for one sequence of the batch API (sandbox.api)
 apply within each sequence, bottom-right aligned where its query and key lengths differ, as in
 flash-attn; a query row whose sequence has no keys is a dead row (out 0, lse -inf).
 
-How: one call of the chosen variant per sequence, on zero-copy (1, H, n, d) views of the packed
-arrays (the kernels take any strides with unit stride along d), results copied into the packed
-outputs, every launch on the caller's stream. So the host cost and the launches grow with the
-number of sequences; a single-launch kernel that reads cu_seqlens itself is the faster rung still to
-build. cu_seqlens must be on the host (lists, NumPy arrays, CPU tensors): the per-sequence
+How, two paths:
+- single launch (fa2-tc's forward, variants/fa2_tc.py forward_varlen, kernels_cu/fa2_tc.cu FA_VARLEN):
+  taken where the variant's impl has that kernel (`varlen_forward`: fa2-tc and fa2-tc-deterministic,
+  or variant=None, whose default for fp16 / bf16 is fa2-tc) and the inputs are CUDA fp16 / bf16 of
+  a head dim the kernel takes (a multiple of 8 up to 128), without block_mask. The packed arrays are
+  read in place; a host table maps each thread block to (sequence, Q tile), longest band first, and
+  carries each sequence's offsets, lengths and band; it goes to the device by one asynchronous copy
+  from pinned memory on the caller's stream (no synchronisation). One launch, whatever the number of
+  sequences.
+- per sequence (every other case, and the reference rung): one call of the chosen variant per
+  sequence, on zero-copy (1, H, n, d) views of the packed arrays (the kernels take any strides with
+  unit stride along d), results copied into the packed outputs, every launch on the caller's stream.
+  The host cost and the launches grow with the number of sequences. `single_launch=False` forces it.
+The backward is per sequence on both paths (the explicit-form backward of each sequence with its
+rows of out and lse: the single launch's out and lse are the same arrays, laid out the same).
+cu_seqlens must be on the host (lists, NumPy arrays, CPU tensors): the tables and the per-sequence
 launches need the lengths there, and reading a device array would synchronise the device.
 
 Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
@@ -28,6 +39,11 @@ import numpy as np
 
 from . import api, arrays
 from .precision import dtype_name
+
+SINGLE_LAUNCH_DTYPES = ("float16", "bfloat16")   # the packed-sequence kernel's envelope (fa2-tc's)
+SINGLE_LAUNCH_MAX_D = 128
+SEQ_INTS = 6                  # VL_SEQ_INTS of kernels_cu/fa2_tc.cu: q offset, Nq, k offset, Nk, band lo, band hi
+INT32_MAX = 2 ** 31 - 1
 
 
 def _lengths(cu, name: str, total: int) -> np.ndarray:
@@ -105,13 +121,94 @@ def _fill(x, value) -> None:
         x[...] = value
 
 
+def _single_launch_variant(q, k, v, variant, params):
+    """The bound variant whose packed-sequence kernel takes this call, or None (the per-sequence path).
+    The variant's parameters are checked here as the per-sequence path's api.forward would check them."""
+    from .registry import get_variant
+    if params.get("block_mask") is not None or any(arrays.kind_of(x) not in ("cupy", "torch") for x in (q, k, v)):
+        return None
+    if arrays.kind_of(q) == "torch" and not all(x.is_cuda for x in (q, k, v)):
+        return None
+    if {dtype_name(x) for x in (q, k, v)} - set(SINGLE_LAUNCH_DTYPES) or len({dtype_name(x) for x in (q, k, v)}) > 1:
+        return None
+    d = q.shape[2]
+    if d % 8 or d > SINGLE_LAUNCH_MAX_D or q.shape[1] % k.shape[1]:
+        return None
+    rest = {key: val for key, val in params.items() if key not in ("block_mask", "seed", "offset")}
+    bound = get_variant(variant if variant is not None else api.DEFAULT_VARIANTS[dtype_name(q)], **rest)
+    return bound if getattr(bound.variant.impl, "varlen_forward", False) else None
+
+
+def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
+    """The one-launch forward (module docstring) on the caller's stream: (out, lse) of q's kind."""
+    from .decode import _upload_ints
+    from .problem import _causal, _scale, _window
+    causal, scale, window = _causal(causal), _scale(scale, q.shape[2]), _window(window)
+    impl, cfg = bound.variant.impl, bound.config
+    block_r, block_c = impl.varlen_tiles(cfg, q.shape[2])        # ValueError outside the config's envelope
+    seqs, blocks = tables(lq, lk, block_r, block_c, causal, window)
+    kind = arrays.kind_of(q)
+    with arrays.caller_stream(q):
+        import cupy as cp
+        qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
+        table = _upload_ints(np.concatenate([seqs.ravel(), blocks.ravel()]), cp)   # one copy, pinned, async
+        out, lse = impl.forward_varlen(qb, kb, vb, *split_tables(table, seqs.shape, blocks.shape), scale, cfg)
+        return arrays.like(out, kind), arrays.like(lse, kind)
+
+
+def split_tables(table, seqs_shape, blocks_shape):
+    """The sequence and block tables as views of their one uploaded array (seqs then blocks, raveled),
+    in their own shapes ([S, SEQ_INTS], [blocks, 2]): forward_varlen launches blocks.shape[0] blocks,
+    so a flat block table would launch twice as many, the second half reading past the table."""
+    n = int(np.prod(seqs_shape))
+    return table[:n].reshape(seqs_shape), table[n:].reshape(blocks_shape)
+
+
+def tables(lq, lk, block_r: int, block_c: int, causal: bool, window) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence table int32 [S, SEQ_INTS], block table int32 [blocks, 2]) of the packed-sequence kernel
+    (kernels_cu/fa2_tc.cu, FA_VARLEN).
+
+    Sequence s: its query offset and length, key offset and length (from the host offsets lq, lk, S + 1
+    each) and its band: Band.from_options of its own Nq, Nk, i.e. causal and window bottom-right
+    aligned per sequence, what the per-sequence path gives each sequence. Blocks: one per (sequence,
+    Q tile of block_r rows) of every sequence with queries (none for an empty one; a sequence without
+    keys keeps its blocks, which write its dead rows), ordered by the key tiles of block_c columns
+    their band reaches, most first (longest first: causal's bottom tiles and the longest sequences
+    start early), ties in (sequence, tile) order."""
+    from .masks import UNBOUNDED, Band
+    lq, lk = np.asarray(lq, np.int64), np.asarray(lk, np.int64)
+    if max(int(lq[-1]), int(lk[-1])) > INT32_MAX:
+        raise ValueError(f"packed lengths {int(lq[-1])} and {int(lk[-1])}: the packed-sequence kernel's offsets are "
+                         f"int32 (at most {INT32_MAX}); pass single_launch=False for the per-sequence path")
+    nq, nk = np.diff(lq), np.diff(lk)
+    rel = Band.from_options(1, 1, causal, window)       # the band at shift 0, moved by each sequence's Nk - Nq
+    shift = nk - nq
+    lo = np.full(nq.shape, -UNBOUNDED) if rel.lo <= -UNBOUNDED else np.clip(rel.lo + shift, -UNBOUNDED, UNBOUNDED)
+    hi = np.full(nq.shape, UNBOUNDED) if rel.hi >= UNBOUNDED else np.clip(rel.hi + shift, -UNBOUNDED, UNBOUNDED)
+    seqs = np.stack([lq[:-1], nq, lk[:-1], nk, lo, hi], axis=1).astype(np.int32)
+    ntiles = -(-nq // block_r)
+    s = np.repeat(np.arange(nq.size), ntiles)
+    t = np.arange(s.size) - np.repeat(np.cumsum(ntiles) - ntiles, ntiles)
+    r0 = t * block_r
+    r1 = np.minimum(r0 + block_r, nq[s]) - 1
+    jlo, jhi = np.maximum(0, r0 + lo[s]), np.minimum(nk[s] - 1, r1 + hi[s])
+    work = np.where(jlo <= jhi, jhi // block_c - jlo // block_c + 1, 0)
+    order = np.argsort(-work, kind="stable")
+    return seqs, np.stack([s[order], t[order]], axis=1).astype(np.int32).reshape(-1, 2)
+
+
 def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, variant=None,
-            causal=False, scale=None, dropout_p=0.0, window=None, **params):
-    """(out (total_q, Hq, d) like q, lse (Hq, total_q) float32), every sequence through `variant`."""
+            causal=False, scale=None, dropout_p=0.0, window=None, single_launch=True, **params):
+    """(out (total_q, Hq, d) like q, lse (Hq, total_q) float32), every sequence through `variant`: by one
+    launch where its packed-sequence kernel takes the call (module docstring), else one per sequence;
+    single_launch=False: always per sequence (the reference rung)."""
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
+    bound = _single_launch_variant(q, k, v, variant, params) if single_launch else None
+    if bound is not None:
+        return _forward_single(q, k, v, lq, lk, bound, causal, scale, window)
     out = _empty(q, tuple(q.shape))
     lse = _empty(q, (q.shape[1], q.shape[0]), "float32")
     for s in range(lq.size - 1):
@@ -133,8 +230,9 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
 
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
-             variant=None, causal=False, scale=None, dropout_p=0.0, window=None, **params):
-    """(dq, dk, dv) like q, k, v: the explicit-form backward of each sequence with its out and lse."""
+             variant=None, causal=False, scale=None, dropout_p=0.0, window=None, single_launch=True, **params):
+    """(dq, dk, dv) like q, k, v: the explicit-form backward of each sequence with its out and lse (from
+    either forward path: the same layout). single_launch: the forward's switch, unused here."""
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):

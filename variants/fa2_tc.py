@@ -30,9 +30,10 @@ import numpy as np
 from sandbox import arrays, modifiers
 from sandbox.device import SMEM_PER_BLOCK_OPTIN
 from sandbox.launch import (LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4,
-                            tile_table, u32)
+                            tile_table, u32, u64)
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.masks import classify_tiles, classify_tiles_mod
+from sandbox.precision import dtype_name
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
@@ -207,6 +208,15 @@ class TCConfig:
                            {n: self.forward_smem(D, drop) for n, drop in zip(names, drops)},
                            label=f"fa2-tc[{dtype}, D={D}{mods.label if mods else ''}]")
 
+    VARLEN_OPTION = "-DFA_VARLEN"
+
+    def varlen_unit(self, dtype: str, D: int) -> CompileUnit:
+        """The packed-sequence forward (sandbox/varlen.py): the forward kernel compiled with -DFA_VARLEN,
+        no dropout; a module of its own, so the units above stay the ones without the switch."""
+        name = self.forward_name(dtype, D, False)
+        return CompileUnit("fa2_tc.cu", (name,), cuda_options() + (self.VARLEN_OPTION,), {name: self.forward_smem(D)},
+                           label=f"fa2-tc-varlen[{dtype}, D={D}]")
+
     # split-K: every warp holds Br x D accumulators; past 128 floats per lane the kernel spills
     MAX_O_REGS = 128
 
@@ -293,6 +303,21 @@ def modifier_args(p, tile_b, xp=None) -> tuple:
 
 # ---- launch
 
+VL_SEQ_INTS = 6    # kernels_cu/fa2_tc.cu VL_SEQ_INTS (sandbox/varlen.py SEQ_INTS)
+
+
+def varlen_args(q, k, v, out, lse, seqs, blocks, scale: float, no_layout) -> tuple:
+    """The packed-sequence kernel's arguments (kernels_cu/fa2_tc.cu with FA_VARLEN): q, k, v as [1, H,
+    total, d] views, out, lse, the tile table slot (a dummy: the band classifies the tiles), Hq, the
+    GQA group, total_q in the Nq slot (the LSE row length), total_k, d, the scale, MASK_PARAMS with a
+    band the sequence table overrides and no layout, DROPOUT_PARAMS off, then the two tables."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    return (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse,
+            no_layout, i32(1), i32(Hq), i32(Hq // Hkv), i32(q.shape[2]), i32(k.shape[2]), i32(q.shape[3]),
+            f32(scale_log2(scale)), i32(0), i32(0), no_layout, i32(0), i32(1), i32(1), i32(1), i32(1),
+            u32(0), f32(1.0), u64(0), u32(0), seqs, blocks)
+
+
 def check_alignment(x, name, variant="fa2-tc"):
     """cp.async moves 16-byte chunks: row strides a multiple of 8 elements, base 16-byte aligned.
     Takes CuPy arrays (what the launch sees) and NumPy ones (tests without a GPU)."""
@@ -363,6 +388,8 @@ class FA2TensorCore:
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.envelope_errors(D)]
         if self.has_backward and config == self.configure():
             units += [config.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128) if not config.backward_errors(D)]
+        if self.varlen_forward and config == self.configure():       # the packed-sequence forward (default config)
+            units += [config.varlen_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)]
         return units
 
     has_backward = True
@@ -416,6 +443,52 @@ class FA2TensorCore:
                (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         return dq, dk, dv
+
+    @property
+    def varlen_forward(self) -> bool:
+        """Whether forward_varlen runs this variant's own kernel: fa2-tc's (and fa2-tc-deterministic's,
+        the same forward); the subclasses (fa2-tc-naive, fa1-tc, fa3) run other kernels and keep the
+        per-sequence path of sandbox/varlen.py."""
+        return type(self) is FA2TensorCore
+
+    def varlen_tiles(self, config, d: int) -> tuple[int, int]:
+        """(Br, Bc) of the packed-sequence kernel at head dim d (sandbox/varlen.py builds its tables with
+        them); ValueError naming the variant where the config is outside the envelope."""
+        errs = config.envelope_errors(d_pad(d))
+        if errs:
+            raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
+        return config.block_r, config.bc(d_pad(d))
+
+    def forward_varlen(self, q, k, v, seqs, blocks, scale: float, config):
+        """The packed-sequence forward (kernels_cu/fa2_tc.cu, FA_VARLEN) on CuPy arrays, on CuPy's current
+        stream: q (total_q, Hq, d), k and v (total_k, Hkv, d), any strides with unit stride along d;
+        seqs, blocks the device int32 tables of sandbox.varlen.tables. Returns (out (total_q, Hq, d) contiguous,
+        lse (Hq, total_q) float32). Every row of out and lse is written (a sequence without queries
+        has none), so both start uninitialised."""
+        if blocks.ndim != 2 or blocks.shape[1] != 2 or seqs.ndim != 2 or seqs.shape[1] != VL_SEQ_INTS:
+            # grid.x is the number of (sequence, Q tile) rows: a flat block table would launch 2x the blocks,
+            # whose second half reads its entries past the table's end (wild sequence / tile indices)
+            raise ValueError(f"forward_varlen: tables of shapes [S, {VL_SEQ_INTS}] and [blocks, 2] expected, "
+                             f"got {tuple(seqs.shape)} and {tuple(blocks.shape)}")
+        import cupy as xp
+        total_q, Hq, d = q.shape
+        views = [x.transpose(1, 0, 2)[None] for x in (q, k, v)]       # [1, H, total, d], zero-copy
+        for x, nm in zip(views, ("q", "k", "v")):
+            check_alignment(x, nm, self.name)
+        if scale < 0:              # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T), as `launch` does
+            views[1] = arrays.negate(views[1], xp)
+        D, dtype = d_pad(d), dtype_name(q)
+        unit = config.varlen_unit(dtype, D)
+        name = config.forward_name(dtype, D, False)
+        out = xp.empty((total_q, Hq, d), dtype=q.dtype)
+        lse = xp.empty((Hq, total_q), dtype=xp.float32)
+        n = blocks.shape[0]
+        if n == 0:
+            return out, lse
+        no_layout = _cached(("no-layout",), lambda: xp.zeros(1, dtype=xp.uint8), xp)
+        launch(unit, name, (n, Hq), (32 * config.warps,), varlen_args(*views, out, lse, seqs, blocks, scale, no_layout),
+               shared_mem=unit.dynamic_smem[name])
+        return out, lse
 
     def forward(self, p, q, k, v, config):
         if p.score_mod is not None or p.mask_mod is not None:

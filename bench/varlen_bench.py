@@ -1,0 +1,287 @@
+"""Family `varlen` (issue 18): packed variable-length batches (flash-attn's varlen layout), the single
+launch against one launch per sequence, the padded batch and PyTorch.
+
+Variants (bench/selection.py): every registered CUDA variant with a packed-sequence kernel (its impl's
+`varlen_forward`) that runs float16 at d = 128, without backward rungs. Problems: --mixes of
+S:lo-hi, S sequences of random lengths uniform in [lo, hi] (seeded; Nq = Nk per sequence), packed
+(total, H, d); H = 16, d = 128, fp16; causal and not (--causal).
+
+Rows per (mix, causal), each through sandbox entry points on CuPy arrays:
+- single:  sandbox.varlen.forward (one launch, the table uploaded from pinned memory on the stream);
+- per-seq: sandbox.varlen.forward(single_launch=False), one launch per sequence (the reference rung);
+- padded:  sandbox.forward on the padded batch (B = S, N = the longest length), the variant's plain
+           kernel: what padding costs (it also attends to the padding keys: a cost reference, checked on
+           equal lengths, where it is the same attention);
+- torch:   torch.nn.attention.varlen.varlen_attn (flash-attn's varlen kernel in PyTorch) where PyTorch
+           has it, else SDPA (flash backend) on the padded batch; a `skipped` row where neither runs.
+FLOPs: 4 d sum(Nq_s Nk_s) per head (halved, less the diagonal's half, with causal), real tokens only,
+for every row, padded ones included.
+
+Check before timing (bench.harness.check_then_time): each row's call on a small packed batch (lengths
+1, 37, 128, 300) against the float64 oracle per sequence
+under the tolerance rule (the same-precision naive reference); the padded rows on 3 sequences of 200.
+A failing row is not timed. Timing, two clocks:
+- kernel (ms): sandbox.timing.time_fn, CUDA events around the call, warm-up, L2 flushed, a spin
+  kernel ahead of each sample so that the host's enqueue time hides behind it: the device's time;
+- host (host_ms): the median wall-clock of --reps calls, each synchronised after (CUDA idle before):
+  the time a Python caller waits, the host's table building and launches included.
+
+    python -m bench varlen [--mixes 64:64-2048,16:1024-8192] [--causal 0,1] [--reps 10]
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+import sandbox
+from sandbox import oracle, tolerance, varlen
+
+from . import selection
+from .common import UsageError, csv_of, stamp, write
+from .harness import check_then_time, worst
+
+H, D, DTYPE = 16, 128, "float16"
+METHODS = ("single", "per-seq", "padded", "torch")
+
+
+def series() -> list[str]:
+    return [v.name for v in selection.select(dtype=DTYPE, head_dim=D, backend="cuda", without=("backward-rung",),
+                                             where=lambda v: getattr(v.impl, "varlen_forward", False))]
+
+
+def plan() -> list[dict]:
+    return [selection.row("varlen", n, DTYPE, D, "forward",
+                          f"packed batches (64 x 64-2k, 16 x 1k-8k), H = {H}, causal and not: {', '.join(METHODS)} "
+                          "(single launch, per sequence, padded, PyTorch varlen or padded SDPA)") for n in series()]
+
+
+def parse_mix(text: str) -> tuple[int, int, int]:
+    try:
+        s, rng = text.split(":")
+        lo, hi = rng.split("-")
+        out = int(s), int(lo), int(hi)
+    except ValueError:
+        raise UsageError(f"mix {text!r}: expected S:lo-hi, e.g. 64:64-2048") from None
+    if out[0] < 1 or not 1 <= out[1] <= out[2]:
+        raise UsageError(f"mix {text!r}: S >= 1 and 1 <= lo <= hi")
+    return out
+
+
+def lengths(S: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed + S * 7919 + hi).integers(lo, hi + 1, S).tolist()
+
+
+def flops(lens, causal: bool) -> float:
+    n = np.asarray(lens, np.float64)
+    pairs = n * (n + 1) / 2 if causal else n * n
+    return float(4 * D * H * pairs.sum())
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _pack(lens, seed=0):
+    import cupy as cp
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    g = cp.random.default_rng(seed)
+    q, k, v = (g.standard_normal((int(cu[-1]), H, D), dtype=cp.float32).astype(cp.float16) for _ in range(3))
+    return q, k, v, cu
+
+
+def _padded(x, cu):
+    """(S, H, Nmax, d) zero-padded copy of packed x."""
+    import cupy as cp
+    lens = np.diff(cu)
+    out = cp.zeros((lens.size, H, int(lens.max()), D), dtype=x.dtype)
+    for s, n in enumerate(lens):
+        out[s, :, :n] = x[cu[s]:cu[s + 1]].transpose(1, 0, 2)
+    return out
+
+
+def _calls(name, method, q, k, v, cu, causal):
+    """A zero-argument callable running `method` on the packed batch, or a ValueError saying why not."""
+    torch = _torch()
+    if method == "single":
+        return lambda: varlen.forward(q, k, v, cu, cu, variant=name, causal=causal)
+    if method == "per-seq":
+        return lambda: varlen.forward(q, k, v, cu, cu, variant=name, causal=causal, single_launch=False)
+    if method == "padded":
+        qp, kp, vp = (_padded(x, cu) for x in (q, k, v))
+        return lambda: sandbox.forward(qp, kp, vp, variant=name, causal=causal)
+    if torch is None:
+        raise ValueError("PyTorch with CUDA not available")
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    fn = _torch_varlen()
+    if fn is not None:
+        tcu = torch.as_tensor(cu, dtype=torch.int32, device="cuda")
+        n = int(np.diff(cu).max())
+        return lambda: fn(tq, tk, tv, tcu, tcu, n, n, window_size=(-1, 0) if causal else (-1, -1))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    pq, pk, pv = (torch.from_dlpack(_padded(x, cu)) for x in (q, k, v))
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(pq, pk, pv, is_causal=causal)
+    return sdpa
+
+
+def torch_label() -> str:
+    return "torch varlen_attn" if _torch_varlen() is not None else "SDPA flash, padded"
+
+
+def _out_of(method, res, cu):
+    """The packed (total, H, d) output of a call as float32 NumPy."""
+    import cupy as cp
+    if method in ("single", "per-seq"):
+        out = res[0]
+    elif method == "padded":
+        out = cp.concatenate([res.out[s, :, :n].transpose(1, 0, 2) for s, n in enumerate(np.diff(cu))])
+    else:
+        t = res[0] if isinstance(res, tuple) else res
+        if t.dim() == 4:                                        # padded SDPA: (S, H, Nmax, d)
+            import torch
+            t = torch.cat([t[s, :, :n].transpose(0, 1) for s, n in enumerate(np.diff(cu))])
+        out = cp.from_dlpack(t.contiguous())
+    return cp.asnumpy(out).astype(np.float32)
+
+
+def _check(name, method, causal):
+    """(ok, worst verdict) of `method` on a small batch, per sequence against the oracle."""
+    lens = [200, 200, 200] if method == "padded" or (method == "torch" and _torch_varlen() is None) \
+        else [1, 37, 128, 300]
+    q, k, v, cu = _pack(lens, seed=1)
+    out = _out_of(method, _calls(name, method, q, k, v, cu, causal)(), cu)
+    qn, kn, vn = (x.get().astype(np.float32) for x in (q, k, v))
+    verdicts = []
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        args = [x[a:b].transpose(1, 0, 2)[None] for x in (qn, kn, vn)]
+        ref, _ = oracle.forward(*args, causal=causal)
+        naive, _ = oracle.forward(*args, precision=DTYPE, causal=causal)
+        verdicts.append(tolerance.compare("out", out[a:b].transpose(1, 0, 2)[None], ref, DTYPE, naive, name))
+    v = worst(verdicts)
+    return v.ok, v
+
+
+def _host_ms(fn, reps: int) -> float:
+    import cupy as cp
+    samples = []
+    for _ in range(reps):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        fn()
+        cp.cuda.Device().synchronize()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(samples))
+
+
+def run(name: str, mixes, causals, reps: int) -> list[dict]:
+    import cupy as cp
+    rows, checked = [], {}
+    for S, lo, hi in mixes:
+        lens = lengths(S, lo, hi)
+        q, k, v, cu = _pack(lens)
+        for causal in causals:
+            fl = flops(lens, causal)
+            for method in METHODS:
+                key = (method, causal)
+                base = {"variant": name, "method": method, "mix": f"{S}:{lo}-{hi}", "S": S, "tokens": int(cu[-1]),
+                        "max_len": max(lens), "H": H, "d": D, "dtype": DTYPE, "causal": causal, "flops": fl,
+                        "baseline": torch_label() if method == "torch" else ""}
+
+                def check(key=key):
+                    if key not in checked:
+                        checked[key] = _check(name, key[0], key[1])
+                    return checked[key]
+                t = check_then_time(check, lambda m=method: _calls(name, m, q, k, v, cu, causal), reps,
+                                    rejects=(ValueError, RuntimeError, TypeError))
+                row = {**base, "status": t["status"]}
+                if "ms" in t:
+                    fn = _calls(name, method, q, k, v, cu, causal)
+                    row.update(ms=t["ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], TFLOPs=fl / t["ms"] / 1e9,
+                               host_ms=_host_ms(fn, reps))
+                    row["host_TFLOPs"] = fl / row["host_ms"] / 1e9
+                rows.append(row)
+                print(f"  {name} {row['mix']:14s} causal={int(causal)} {method:8s} " + (
+                    f"kernel {row['ms']:8.3f} ms {row['TFLOPs']:6.1f} TFLOP/s  host {row['host_ms']:8.3f} ms"
+                    if "ms" in row else row["status"]), flush=True)
+            single = next((r for r in rows[-len(METHODS):] if r["method"] == "single" and "ms" in r), None)
+            for r in rows[-len(METHODS):]:
+                if single is not None and "ms" in r:
+                    r["single_speedup"] = r["ms"] / single["ms"]
+                    r["single_host_speedup"] = r["host_ms"] / single["host_ms"]
+        q = k = v = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def markdown(rows) -> str:
+    out = [f"Packed variable-length batches (H = {H}, d = {D}, fp16; TFLOP/s of the real tokens' work): the "
+           "single launch against one launch per sequence, the padded batch and PyTorch. kernel: CUDA events "
+           "(device time); host: wall clock of a synchronised call. `x single`: the row's time over the single "
+           "launch's (above 1: the single launch is faster)", "",
+           "| variant | mix | causal | method | kernel ms | TFLOP/s | host ms | host TFLOP/s | x single (kernel) | "
+           "x single (host) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        label = r["method"] + (f" ({r['baseline']})" if r.get("baseline") else "")
+        if "ms" not in r:
+            out.append(f"| {r['variant']} | {r['mix']} | {int(r['causal'])} | {label} | {r['status'][:70]} "
+                       "| | | | | |")
+            continue
+        sp = lambda x: f"{x:.2f}x" if x is not None else ""  # noqa: E731
+        out.append(f"| {r['variant']} | {r['mix']} | {int(r['causal'])} | {label} | {r['ms']:.3f} | "
+                   f"{r['TFLOPs']:.1f} | {r['host_ms']:.3f} | {r['host_TFLOPs']:.1f} | "
+                   f"{sp(r.get('single_speedup'))} | {sp(r.get('single_host_speedup'))} |")
+    return "\n".join(out)
+
+
+def plot(data, path) -> None:
+    """TFLOP/s (kernel, solid; host, hatched) per (mix, causal), one bar group per method."""
+    from .plots import _figure, _finish
+    plt, fig, (ax,) = _figure()
+    rows = [r for r in data["rows"] if "ms" in r]
+    groups = list(dict.fromkeys((r["mix"], r["causal"]) for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / max(1, 2 * len(methods))
+    for m_i, m in enumerate(methods):
+        for c_i, (key, hatch) in enumerate((("TFLOPs", None), ("host_TFLOPs", "//"))):
+            ys = [next((r[key] for r in rows if (r["mix"], r["causal"]) == g and r["method"] == m), 0) for g in groups]
+            xs = [i + (2 * m_i + c_i) * width for i in range(len(groups))]
+            ax.bar(xs, ys, width, hatch=hatch, color=f"C{m_i}", label=f"{m} {'kernel' if c_i == 0 else 'host'}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{g[0]}\n{'causal' if g[1] else 'full'}" for g in groups], fontsize=7)
+    ax.set_ylabel("TFLOP/s (real tokens)")
+    ax.legend(fontsize=6)
+    _finish(plt, fig, data["meta"], "Packed variable-length batches", path)
+
+
+def add_arguments(ap):
+    ap.add_argument("--mixes", type=csv_of(), default=("64:64-2048", "16:1024-8192"))
+    ap.add_argument("--causal", type=csv_of(kind=int, allowed=(0, 1)), default=(0, 1))
+
+
+def main(args, out: Path):
+    mixes = [parse_mix(m) for m in args.mixes]
+    causals = [bool(c) for c in args.causal]
+    rows = [r for name in series() for r in run(name, mixes, causals, args.reps)]
+    meta = stamp(variants=series(), H=H, d=D, torch_baseline=torch_label())
+    write(out, "varlen", "varlen", meta, rows, markdown(rows))
+    try:
+        plot({"meta": meta, "rows": rows}, out / "varlen.png")
+    except ImportError:
+        print("matplotlib not installed: no varlen.png", flush=True)

@@ -1,0 +1,254 @@
+"""The single-launch packed-sequence forward of fa2-tc (sandbox/varlen.py `tables` / `_forward_single`,
+variants/fa2_tc.py forward_varlen, kernels_cu/fa2_tc.cu with FA_VARLEN).
+
+Without a GPU: the block-to-sequence table (empty sequences, Nq != Nk, lengths that are not tile
+multiples, the per-sequence band, longest-first order), the kernel argument list against the
+kernel's parameters, which calls take the single launch, and the NVRTC build of the new
+instantiation held to the spill gate (sm_90). With a GPU (`pytest -m gpu`): the single launch
+against the oracle per sequence (fp16 / bf16, causal or not, window, GQA, empty and length-1
+sequences, Nq != Nk), bit-equal to the per-sequence path, gradients through sandbox.torch, and
+torch tensors on a busy stream.
+"""
+import re
+
+import numpy as np
+import pytest
+
+from sandbox import get_variant, loader, oracle, tolerance, varlen
+from sandbox.device import has_gpu
+from sandbox.masks import Band
+from variants.fa2_tc import TCConfig, varlen_args
+
+CU_Q = [0, 5, 5, 6, 140, 300, 301]          # lengths 5, 0 (empty), 1, 134, 160, 1
+CU_K = [0, 9, 12, 12, 100, 400, 401]        # lengths 9, 3, 0 (no keys: dead rows), 88, 300, 1
+
+
+# ---- no GPU: tables
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (17, 3)), (True, (40, None))])
+@pytest.mark.parametrize("br,bc", [(128, 64), (64, 32)])
+def test_tables_cover_every_tile_once_with_each_sequences_band(causal, window, br, bc):
+    seqs, blocks = varlen.tables(CU_Q, CU_K, br, bc, causal, window)
+    assert seqs.dtype == np.int32 and blocks.dtype == np.int32 and seqs.shape == (6, varlen.SEQ_INTS)
+    nq, nk = np.diff(CU_Q), np.diff(CU_K)
+    for s in range(6):
+        band = Band.from_options(int(nq[s]), int(nk[s]), causal, window)
+        assert seqs[s].tolist() == [CU_Q[s], nq[s], CU_K[s], nk[s], band.lo, band.hi], s
+    want = sorted((s, t) for s in range(6) for t in range(-(-int(nq[s]) // br)))   # the empty sequence: none
+    assert sorted(map(tuple, blocks.tolist())) == want
+    assert 1 not in blocks[:, 0] and 2 in blocks[:, 0]             # no queries: no block; no keys: its blocks
+
+
+def _work(seqs, blocks, br, bc):
+    out = []
+    for s, t in blocks.tolist():
+        q0, nq, k0, nk, lo, hi = seqs[s].tolist()
+        r0, r1 = t * br, min(t * br + br, nq) - 1
+        jlo, jhi = max(0, r0 + lo), min(nk - 1, r1 + hi)
+        out.append(jhi // bc - jlo // bc + 1 if jlo <= jhi else 0)
+    return out
+
+
+def test_blocks_run_longest_band_first():
+    seqs, blocks = varlen.tables(CU_Q, CU_K, 64, 32, True, None)
+    work = _work(seqs, blocks, 64, 32)
+    assert work == sorted(work, reverse=True) and work[-1] == 0     # the dead sequence's block last
+    seqs, blocks = varlen.tables([0, 512], [0, 512], 128, 64, True, None)
+    assert blocks[:, 1].tolist() == [3, 2, 1, 0]                      # causal: the bottom tile first
+
+
+def test_tables_of_empty_batches_and_int32_offsets():
+    seqs, blocks = varlen.tables([0, 0, 0], [0, 4, 9], 128, 64, False, None)
+    assert seqs.shape == (2, 6) and blocks.shape == (0, 2)
+    with pytest.raises(ValueError, match="int32"):
+        varlen.tables([0, 2**31], [0, 8], 128, 64, False, None)
+
+
+# ---- no GPU: the kernel's arguments, the routing, the build
+
+def _declared(options):
+    """The C types of the forward kernel's parameters once MASK_PARAMS, DROPOUT_PARAMS, MOD_PARAMS
+    (empty without modifiers) and VARLEN_PARAMS (-DFA_VARLEN) are substituted."""
+    src = loader.source_text("fa2_tc.cu")
+    common = loader.source_text("common.cuh")
+    sig = re.search(r"fa2_tc_forward\((.*?)\) \{", src, re.S).group(1)
+    sig = re.sub(r"//[^\n]*", "", sig)
+    macros = {"MASK_PARAMS": re.search(r"#define MASK_PARAMS (.*?)\n(?!\s)", common, re.S).group(1),
+              "DROPOUT_PARAMS": re.search(r"#define DROPOUT_PARAMS (.*?)\n(?!\s)", common, re.S).group(1),
+              "MOD_PARAMS": "", "VARLEN_PARAMS": re.search(r"#define VARLEN_PARAMS (.*)", src).group(1)
+              if "-DFA_VARLEN" in options else ""}
+    for name, body in macros.items():
+        sig = sig.replace(name, body.replace("\\", " "))
+    decls = [x.strip() for x in sig.split(",") if x.strip()]
+    return [re.sub(r"\s*(__restrict__\s*)?\w+$", "", x).replace("const ", "").strip() for x in decls]
+
+
+C_OF = {np.dtype(np.int32): "int", np.dtype(np.int64): "long long", np.dtype(np.float32): "float",
+        np.dtype(np.uint32): "unsigned", np.dtype(np.uint64): "unsigned long long"}
+PTR_OF = {np.dtype(np.float16): "T*", np.dtype(np.float32): "float*", np.dtype(np.int32): "int*",
+          np.dtype(np.uint8): "unsigned char*", np.dtype(np.int8): "signed char*"}
+
+
+def test_varlen_arguments_match_the_kernel_parameters():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 4, 300, 64)).astype(np.float16)
+    k = rng.standard_normal((1, 2, 400, 64)).astype(np.float16)
+    out, lse = np.empty((300, 4, 64), np.float16), np.empty((4, 300), np.float32)
+    seqs, blocks = varlen.tables(CU_Q, CU_K, 128, 64, True, None)
+    args = varlen_args(q, k, k, out, lse, seqs.ravel(), blocks.ravel(), -0.25, np.zeros(1, np.uint8))
+    types = _declared(TCConfig().varlen_unit("float16", 64).options)
+    got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in args]
+    # the tile table slot (signed char*, never read: the band classifies the tiles) takes the byte dummy
+    assert len(got) == len(types)
+    assert all(g == t or (t, g) == ("signed char*", "unsigned char*") for g, t in zip(got, types)), (got, types)
+    assert len(_declared(TCConfig().unit("float16", 64).options)) == len(types) - 2
+    ints = [int(a) for a in args if isinstance(a, np.int32)]
+    assert ints[:6] == [1, 4, 2, 300, 400, 64]          # tile heads, Hq, group, total_q, total_k, d
+
+
+def test_uploaded_tables_keep_their_shapes():
+    """The kernel's grid.x is blocks.shape[0]: the one uploaded array must come back as [S, 6] and
+    [blocks, 2] views, not flat (a flat block table launched 2x the blocks; the extra half read its
+    entries past the table's end and faulted on the H100 with CUDA_ERROR_INVALID_ADDRESS_SPACE)."""
+    seqs, blocks = varlen.tables(CU_Q, CU_K, 128, 64, True, None)
+    table = np.concatenate([seqs.ravel(), blocks.ravel()])
+    s2, b2 = varlen.split_tables(table, seqs.shape, blocks.shape)
+    assert np.array_equal(s2, seqs) and np.array_equal(b2, blocks) and b2.shape[0] == 7
+    assert np.shares_memory(b2, table)
+    e_seqs, e_blocks = varlen.tables([0, 0, 0], [0, 4, 9], 128, 64, False, None)
+    _, e2 = varlen.split_tables(np.concatenate([e_seqs.ravel(), e_blocks.ravel()]), e_seqs.shape, e_blocks.shape)
+    assert e2.shape == (0, 2)
+    impl, q = get_variant("fa2-tc").variant.impl, np.zeros((8, 2, 64), np.float16)
+    with pytest.raises(ValueError, match="blocks, 2"):
+        impl.forward_varlen(q, q, q, seqs, blocks.ravel(), 0.125, TCConfig())
+
+
+def test_the_single_launch_is_fa2_tcs_own_kernel():
+    assert get_variant("fa2-tc").variant.impl.varlen_forward
+    assert get_variant("fa2-tc-deterministic").variant.impl.varlen_forward
+    for name in ("fa2-tc-naive", "fa1-tc"):
+        assert not get_variant(name).variant.impl.varlen_forward, name
+    units = get_variant("fa2-tc").variant.impl.compile_units(TCConfig())
+    assert {u.label for u in units} >= {f"fa2-tc-varlen[{dt}, D={D}]" for dt in ("float16", "bfloat16")
+                                        for D in (64, 128)}
+    assert all("-DFA_VARLEN" not in u.options for u in units if "varlen" not in u.label)
+    with pytest.raises(ValueError, match="fa2-tc"):
+        get_variant("fa2-tc").variant.impl.varlen_tiles(TCConfig(split="k", block_r=128), 128)
+
+
+def test_host_arrays_keep_the_per_sequence_path():
+    q = np.zeros((8, 2, 64), np.float16)
+    assert varlen._single_launch_variant(q, q, q, "fa2-tc", {}) is None
+
+
+# Registers (NVRTC 13, sm_90): 240 at D = 64, 255 at D = 128, no spills (the kernels without the switch:
+# 214 / 247, unchanged; their CUBINs are byte-identical to those before the switch was added).
+VARLEN_BUILDS = [("float16", 64), ("bfloat16", 128)]
+
+
+@pytest.fixture(scope="module")
+def built():
+    pytest.importorskip("cuda.bindings.nvrtc", reason="pip install .[compile] for NVRTC builds")
+    if has_gpu():
+        pytest.skip("compile-only check (NVRTC logs are empty under pytest on the GPU image: tests/test_compile.py)")
+    units = [TCConfig().varlen_unit(*b) for b in VARLEN_BUILDS]
+    loader.prebuild(units, "sm_90")
+    return {u: loader.compile_only(u, "sm_90") for u in units}
+
+
+@pytest.mark.parametrize("build", VARLEN_BUILDS, ids=lambda x: f"{x[0]}-{x[1]}")
+def test_varlen_builds_without_spills(built, build):
+    (r,) = built[TCConfig().varlen_unit(*build)]
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
+
+
+# ---- GPU: against the oracle, the per-sequence path, torch
+
+
+def _torch_packed(cu_q, cu_k, hq, hkv, d, dtype, seed=0):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = getattr(torch, dtype)
+    return [torch.randn(n, h, d, device="cuda", generator=g, dtype=torch.float32).to(t)
+            for n, h in ((cu_q[-1], hq), (cu_k[-1], hkv), (cu_k[-1], hkv))]
+
+
+def _np(x):
+    import torch
+    return x.float().cpu().numpy() if isinstance(x, torch.Tensor) else x.get().astype(np.float32)
+
+
+def _seq(x, a, b):
+    return x[a:b].transpose(1, 0, 2)[None]
+
+
+GPU_CASES = [({}, 64, 4, 4), ({"causal": True}, 64, 4, 2), ({"window": (33, 5)}, 96, 4, 1),
+             ({"causal": True, "window": (70, None)}, 128, 6, 2), ({"scale": -0.3}, 40, 2, 2)]
+
+
+def _prebuild():
+    from sandbox.device import arch
+    loader.prebuild([TCConfig().varlen_unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]
+                    + [TCConfig().unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)], arch())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_single_launch_matches_oracle_and_the_per_sequence_path(dtype):
+    pytest.importorskip("torch")
+    _prebuild()
+    for n, (opts, d, hq, hkv) in enumerate(GPU_CASES):
+        q, k, v = _torch_packed(CU_Q, CU_K, hq, hkv, d, dtype, seed=n)
+        out, lse = varlen.forward(q, k, v, CU_Q, CU_K, **opts)
+        ref_out, ref_lse = varlen.forward(q, k, v, CU_Q, CU_K, single_launch=False, **opts)
+        o, l_, qn, kn, vn = (_np(x) for x in (out, lse, q, k, v))
+        assert np.array_equal(o, _np(ref_out)) and np.array_equal(l_, _np(ref_lse)), (opts, d)   # same bits
+        for s in range(len(CU_Q) - 1):
+            a, b, c, e = CU_Q[s], CU_Q[s + 1], CU_K[s], CU_K[s + 1]
+            if a == b:
+                continue
+            if c == e:
+                assert not o[a:b].any() and np.all(np.isneginf(l_[:, a:b])), s
+                continue
+            args = (_seq(qn, a, b), _seq(kn, c, e), _seq(vn, c, e))
+            refs = oracle.forward(*args, **opts)
+            naive = oracle.forward(*args, precision=dtype, **opts)
+            for name, got, ref, nv in zip(("out", "lse"), (_seq(o, a, b), l_[:, a:b][None]), refs, naive):
+                assert tolerance.compare(name, got, ref, dtype, nv).ok, (opts, d, s, name)
+
+
+@pytest.mark.gpu
+def test_gradients_through_the_single_launch_forward():
+    """sandbox.torch.varlen_attention: the per-sequence backward consumes the single launch's out and
+    lse; the same out (bits) and gradients (dQ by fp32 atomics: its order of additions may differ) as the
+    per-sequence forward's."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    grads = []
+    for single in (True, False):
+        q, k, v = (x.requires_grad_() for x in _torch_packed(CU_Q, CU_K, 4, 2, 64, "float16", seed=3))
+        out = st.varlen_attention(q, k, v, CU_Q, CU_K, causal=True, single_launch=single)
+        out.backward(torch.ones_like(out) * 0.1)
+        grads.append([x.grad.float().cpu().numpy() for x in (q, k, v)] + [out.detach().float().cpu().numpy()])
+    assert np.array_equal(grads[0][3], grads[1][3])
+    for a, b in zip(grads[0][:3], grads[1][:3]):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_torch_tensors_on_a_busy_stream():
+    """Inputs written on a side stream still busy with earlier work: the table upload and the launch
+    follow the caller's stream (no device synchronisation), so the result is the quiet one's."""
+    torch = pytest.importorskip("torch")
+    from sandbox.flash_attn import flash_attn_varlen_func
+    cu = [0, 300, 301, 1000, 1700]
+    q0, k0, v0 = _torch_packed(cu, cu, 8, 2, 128, "bfloat16", seed=7)
+    want = flash_attn_varlen_func(q0, k0, v0, torch.tensor(cu, dtype=torch.int32), cu, 700, 700, causal=True)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)                               # ~tens of ms of busy stream
+        q, k, v = (x * 1 for x in (q0, k0, v0))                      # written after the sleep
+        got = flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), cu, 700, 700, causal=True)
+    side.synchronize()
+    assert torch.equal(got, want)
