@@ -1,0 +1,58 @@
+"""GPU: flash-attn's `softcap` and `alibi_slopes` through `sandbox.flash_attn` on CUDA tensors, compiled
+into the tensor-core kernels (fa2-tc, and the Hopper rung fa3 where the device is sm_90), forward and
+gradients, against flash-attn's formulas evaluated in float32 by torch on the same device."""
+import pytest
+
+torch = pytest.importorskip("torch")
+fa = pytest.importorskip("sandbox.flash_attn")
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+VARIANTS = ["fa2-tc"] + (["fa3"] if torch.cuda.get_device_capability() >= (9, 0) else [])
+
+
+def _reference(q, k, v, causal, softcap, slopes):
+    """flash-attn's meaning (B, N, H, d), float32: softcap on the scaled score, then ALiBi (slope * j when
+    causal, else -slope * |i + Nk - Nq - j|), the causal mask bottom-right aligned."""
+    B, nq, hq, d = q.shape
+    nk, rep = k.shape[1], hq // k.shape[2]
+    qh, kh, vh = (x.float().transpose(1, 2) for x in (q, k, v))
+    kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    s = qh @ kh.transpose(-1, -2) * d ** -0.5
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(nq, device=q.device)[:, None]
+    j = torch.arange(nk, device=q.device)[None, :]
+    if slopes is not None:
+        sl = slopes.float().reshape(-1, hq)[:, :, None, None].expand(B, hq, 1, 1)
+        s = s + sl * (j.float() if causal else -(i + nk - nq - j).abs().float())
+    if causal:
+        s = s.masked_fill(j > i + nk - nq, float("-inf"))
+    return (torch.softmax(s, -1) @ vh).transpose(1, 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap,alibi", [(30.0, None), (0.0, "heads"), (5.0, "batch-heads")])
+def test_softcap_and_alibi_on_the_gpu(variant, dtype, causal, softcap, alibi):
+    g = torch.Generator(device="cuda").manual_seed(3)
+    B, nq, nk, hq, hkv, d = 2, 200, 333, 4, 2, 64
+    q = torch.randn(B, nq, hq, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(B, nk, hkv, d, device="cuda", dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    slopes = {None: None, "heads": torch.rand(hq, device="cuda", generator=g),
+              "batch-heads": torch.rand(B, hq, device="cuda", generator=g)}[alibi]
+    out = fa.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes, variant=variant)
+    assert out.dtype == dtype and out.is_cuda and out.shape == q.shape
+    ref = _reference(q, k, v, causal, softcap, slopes)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=5e-3, atol=5e-3)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), go)
+    want = torch.autograd.grad(ref, (q, k, v), go.float())
+    for name, a, b in zip("qkv", got, want):
+        scale = b.abs().max().item() + 1e-6
+        err = (a.float() - b).abs().max().item() / scale
+        assert err < (3e-2 if dtype == torch.bfloat16 else 1e-2), f"d{name}: relative error {err:.3g}"
