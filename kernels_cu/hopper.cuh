@@ -198,3 +198,21 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
     asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
+
+// ---- bulk reductions into global memory (fa3_bwd2.cu's dQ)
+
+// dst[0 .. bytes / 4) += the fp32 words at shared address `src`, element-wise, by the copy engine
+// (cp.reduce.async.bulk, PTX ISA 8.0, sm_90): both addresses 16-byte aligned, bytes a multiple of 16.
+// Shared memory written by ordinary stores needs fence_proxy_async() (and the barrier that publishes
+// it) before; the issuing thread tracks completion with its bulk groups.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, unsigned src, unsigned bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's bulk groups are still reading their shared memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory"); }
+// Wait until at most N of this thread's bulk groups are incomplete (writes included).
+template <int N>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory"); }

@@ -1,13 +1,24 @@
-"""The wgmma backward of the Hopper rungs (kernels_cu/fa3_bwd.cu, sm_90a), chosen by `bwd_kernel="wgmma"`.
+"""The wgmma backwards of the Hopper rungs (sm_90a): `bwd_kernel="wgmma"` (kernels_cu/fa3_bwd.cu) and
+`bwd_kernel="wgmma2"` (kernels_cu/fa3_bwd2.cu, the rung above it).
 
 Seed: FA2 paper Algorithm 2 (column-parallel, P recomputed from the logsumexp, D = rowsum(dO o O)
-precomputed, dQ by fp32 atomics) with its five GEMMs on wgmma (FA3 paper Sec. 3). The preprocessing
-D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot), dQ is accumulated in fp32 and cast at the
-end, as fa2-tc's atomic backward does. Tile: 128 keys per block (64 per warpgroup), 64 query rows per
-step. Not deterministic (atomics); `bwd_kernel="mma"` keeps fa2-tc's kernels (the default until
-this one has the GPU evidence the tier asks for).
+precomputed, dQ accumulated in fp32 across key blocks) with its five GEMMs on wgmma (FA3 paper Sec. 3).
+The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot). Tile: 128 keys per block
+(64 per warpgroup), 64 query rows per step.
+- wgmma: dQ by float4 atomics of each warpgroup's key half into an fp32 dq, cast at the end (as
+  fa2-tc's atomic backward).
+- wgmma2: one dQ partial per block and Q tile (the warpgroups split its columns), staged in shared
+  memory and added by one bulk reduction per warpgroup into an fp32 buffer in accumulator order
+  (`dq_acc`, [B*Hq, ceil(Nq / 64), 64 D]), which fa3_bwd2_dq turns into dq (scaled, q's dtype); the
+  GEMMs of a tile overlap its element-wise steps (the kernel header has the design and the predicted
+  gains). SANDBOX_BWD2_SERIAL=1 (read at import) builds it with every GEMM waited for at once: the dQ
+  change alone, for measuring the two changes apart.
+Neither is deterministic (atomics, reductions); `bwd_kernel="mma"` keeps fa2-tc's kernels (the default
+until these have the GPU evidence the tier asks for).
 """
 from __future__ import annotations
+
+import os
 
 from sandbox import arrays
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
@@ -17,6 +28,8 @@ from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _check_aligned, _check_row_stride
 
 BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
+KERNELS = ("wgmma", "wgmma2")      # the bwd_kernel values these kernels serve ("mma" is fa2-tc's)
+SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation: GEMMs not overlapped
 
 
 def name(dtype: str, D: int, dropout: bool, rounds: int) -> str:
@@ -89,4 +102,119 @@ def backward_plan(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     kv = (p.B, p.Hkv, p.Nk, p.d)
     buffers = {"D": ((p.B, p.Hq, p.Nq), "float32", False), "dq": ((p.B, p.Hq, p.Nq, p.d), "float32", True),
                "dk": (kv, p.dtype, False), "dv": (kv, p.dtype, False)}
+    return LaunchPlan(buffers, run, keep=(tiles,))
+
+
+# ---- bwd_kernel="wgmma2": kernels_cu/fa3_bwd2.cu
+
+def name2(dtype: str, D: int, dropout: bool, rounds: int) -> str:
+    return f"fa3_bwd2<{CTYPE[dtype]}, {D}, {rounds}, {'true' if dropout else 'false'}>"
+
+
+def dq_name(dtype: str) -> str:
+    return f"fa3_bwd2_dq<{CTYPE[dtype]}>"
+
+
+def smem2(D: int) -> int:
+    """fa3_bwd.cu's tiles (K, V, two buffers of Q and dO, the dS^T panel), the dQ staging (two 16 KB fp32
+    blocks per warpgroup), two buffers of lse and D, 1024 bytes of alignment slack: 215040 bytes at
+    D = 128, 149504 at D = 64."""
+    return ITEMSIZE * (2 * BC * D + 4 * BR * D + BC * BR) + 2 * 2 * BR * 64 * 4 + 4 * 4 * BR + 1024
+
+
+def acc_shape(p, D: int) -> tuple:
+    """fa3_bwd2's fp32 dQ accumulator: per (b, h) and 64-row Q tile, 64 D floats in accumulator order."""
+    return (p.B * p.Hq, -(-p.Nq // BR), BR * D)
+
+
+def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None) -> CompileUnit:
+    """Both dropout switches and the dq kernel in one module; `serial` (default SERIAL) adds
+    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate)."""
+    serial = SERIAL if serial is None else serial
+    main = tuple(name2(dtype, D, drop, rounds) for drop in (False, True))
+    shared = {n: smem2(D) for n in main}
+    shared[dq_name(dtype)] = 0
+    opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ())
+    return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype)), opts, shared,
+                       label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}]", archs=ARCHS)
+
+
+def kernel_unit(kernel: str, dtype: str, D: int, rounds: int) -> CompileUnit:
+    """The module of bwd_kernel `kernel` ("wgmma" or "wgmma2")."""
+    return unit(dtype, D, rounds) if kernel == "wgmma" else unit2(dtype, D, rounds)
+
+
+def dispatch_backward(kernel: str, variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
+    return (backward if kernel == "wgmma" else backward2)(variant, p, dout, q, k, v, out, lse, tc)
+
+
+def dispatch_plan(kernel: str, variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
+    return (backward_plan if kernel == "wgmma" else backward_plan2)(variant, p, tc, strides)
+
+
+def _args2(p, q_args, acc, dk, dv, tiles, tile_heads, xp, dropout_rest) -> tuple:
+    """fa3_bwd2's arguments after the input operands (Q, K, V, dO with their strides, lse, D)."""
+    return (*q_args, acc, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), i32(p.Nq), i32(p.Nk),
+            i32(p.d), f32(p.scale), *mask_args(p, xp), *dropout_rest)
+
+
+def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
+    """dq, dk, dv on the caller's CuPy stream: rowdot, fa3_bwd2 (dK, dV, the dQ accumulator), fa3_bwd2_dq."""
+    import cupy as xp
+    for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
+        check_alignment(x, nm, variant)
+    D, dropout = d_pad(p.d), p.dropout_p > 0
+    pre = tc.backward_unit(p.dtype, D)
+    Dv = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
+    rows = p.B * p.Hq * p.Nq
+    launch(pre, tc.rowdot_name(p.dtype), (-(-rows // 32),), (256,),
+           (dout, *strides4(dout)[:3], out, *strides4(out)[:3], Dv, i32(p.Hq), i32(p.Nq), i32(p.d), i64(rows)))
+    acc = xp.zeros(acc_shape(p, D), dtype=xp.float32)
+    dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
+    dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
+    dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
+    tiles, tile_heads = tile_table(p, BR, BC, xp)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
+    operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
+    launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
+           _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p)),
+           shared_mem=u.dynamic_smem[kname])
+    launch(u, dq_name(p.dtype), (-(-p.Nq // BR), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
+                                                                     f32(p.scale)))
+    return dq, dk, dv
+
+
+def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
+    """The pointer-level plan: rowdot, fa3_bwd2, fa3_bwd2_dq; `dq_acc` zeroed by the caller, dq written
+    in q's dtype (no cast after the run)."""
+    import cupy as xp
+    for nm in ("q", "k", "v", "out", "dout"):
+        _check_row_strides(strides[nm], nm, variant)
+    D, dropout = d_pad(p.d), p.dropout_p > 0
+    pre = tc.backward_unit(p.dtype, D)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
+    tiles, tile_heads = tile_table(p, BR, BC, xp)
+    st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
+    rows = p.B * p.Hq * p.Nq
+    operands = tuple(x for nm in ("q", "k", "v", "dout") for x in (Slot(nm), *st[nm])) + (Slot("lse"), Slot("D"))
+    kernels = [
+        PackedLaunch(get_kernel(pre, tc.rowdot_name(p.dtype)).kernel, (-(-rows // 32),), (256,), 0,
+                     (Slot("dout"), *st["dout"], Slot("out"), *st["out"], Slot("D"), i32(p.Hq), i32(p.Nq), i32(p.d),
+                      i64(rows))),
+        PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
+                     _args2(p, operands, Slot("dq_acc"), Slot("dk"), Slot("dv"), tiles, tile_heads, xp,
+                            _dropout_slots(p))),
+        PackedLaunch(get_kernel(u, dq_name(p.dtype)).kernel, (-(-p.Nq // BR), p.B * p.Hq), (256,), 0,
+                     (Slot("dq_acc"), Slot("dq"), i32(p.Nq), i32(p.d), i32(D), f32(p.scale)))]
+
+    def run(ptr, seed, offset, stream):
+        _check_aligned(ptr, ("q", "k", "v", "out", "dout"), variant)
+        ptr["seed"], ptr["offset"] = seed, offset
+        for kernel in kernels:
+            kernel(ptr, stream)
+
+    kv = (p.B, p.Hkv, p.Nk, p.d)
+    buffers = {"D": ((p.B, p.Hq, p.Nq), "float32", False), "dq_acc": (acc_shape(p, D), "float32", True),
+               "dq": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "dk": (kv, p.dtype, False),
+               "dv": (kv, p.dtype, False)}
     return LaunchPlan(buffers, run, keep=(tiles,))

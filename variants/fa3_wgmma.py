@@ -80,7 +80,7 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 # ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
 
 _WGMMA_BWD_MODS = ("score / mask modifiers need the backward of fa2-tc (bwd_kernel=\"mma\", the default); "
-                   "kernels_cu/fa3_bwd.cu (bwd_kernel=\"wgmma\") has none")
+                   "kernels_cu/fa3_bwd.cu (bwd_kernel=\"wgmma\") and fa3_bwd2.cu (\"wgmma2\") have none")
 
 
 def has_mods(p) -> bool:
@@ -100,7 +100,7 @@ def modifier_errors(p, config, direction) -> list[str]:
     if p.score_mod is not None and max(p.Nq, p.Nk) > MAX_FLOAT_POSITION:
         errs.append(f"a score modifier sees positions as floats fi, fj (kernels_cu/tc_mods.cuh), exact up to "
                     f"{MAX_FLOAT_POSITION}; Nq = {p.Nq}, Nk = {p.Nk}")
-    if direction in ("backward", "both") and config.bwd_kernel == "wgmma":
+    if direction in ("backward", "both") and config.bwd_kernel in fa3_backward.KERNELS:
         errs.append(_WGMMA_BWD_MODS)
     return errs
 
@@ -125,7 +125,7 @@ class WgmmaConfig:
     warpgroups: int = 2
     philox_rounds: int = 10
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
-    bwd_kernel: str = "mma"                              # "mma": fa2-tc's kernels; "wgmma": fa3_bwd.cu
+    bwd_kernel: str = "mma"                              # "mma": fa2-tc's; "wgmma": fa3_bwd.cu; "wgmma2": fa3_bwd2.cu
 
     # what FA2TensorCore's launch path reads of a forward config
     @property
@@ -201,7 +201,7 @@ class FA3Wgmma(FA2TensorCore):
     def report_configs(self):
         """The defaults, the tuned table, the wgmma backward (every launchable instantiation the CI gate
         builds; other parameter choices compile on first use)."""
-        return [{}, {"bwd_kernel": "wgmma"}]
+        return [{}, {"bwd_kernel": "wgmma"}, {"bwd_kernel": "wgmma2"}]
 
     # fa3_bwd.cu: spill-free at D = 64; at D = 128 the kernel without dropout spills 28 bytes (NVRTC 13)
     FA3_BWD_TUNED_DIMS = (64,)
@@ -209,6 +209,8 @@ class FA3Wgmma(FA2TensorCore):
     def tuned(self, config, unit=None) -> bool:
         if unit is not None and unit.source == "fa3_bwd.cu":     # names: fa3_bwd<T, D, R, DROPOUT>
             return all(int(n.split(",")[1]) in self.FA3_BWD_TUNED_DIMS for n in unit.names)
+        if unit is not None and unit.source == "fa3_bwd2.cu":    # spill-free at D = 64 and 128 (NVRTC 13)
+            return True
         if unit is not None and unit.source not in ("fa3_wgmma.cu", "fa3_ws.cu"):
             return super().tuned(config.bwd, unit)
         return (config.block_c, config.warpgroups) in self.TUNED
@@ -220,16 +222,17 @@ class FA3Wgmma(FA2TensorCore):
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)
                       if not config.bwd.backward_errors(D)]
-        if config.bwd_kernel == "wgmma":
-            units += [fa3_backward.unit(dt, D, config.philox_rounds) for dt in CAPS.dtypes for D in (64, 128)]
+        if config.bwd_kernel in fa3_backward.KERNELS:
+            units += [fa3_backward.kernel_unit(config.bwd_kernel, dt, D, config.philox_rounds)
+                      for dt in CAPS.dtypes for D in (64, 128)]
         return units
 
     def backward(self, p, dout, q, k, v, out, lse, config):
         self._refuse_wide_backward(p)
-        if config.bwd_kernel == "wgmma" and has_mods(p):
+        if config.bwd_kernel in fa3_backward.KERNELS and has_mods(p):
             raise ValueError(f"variant {self.name!r}: " + _WGMMA_BWD_MODS)
-        if config.bwd_kernel == "wgmma":
-            return fa3_backward.backward(self.name, p, dout, q, k, v, out, lse, config.bwd)
+        if config.bwd_kernel in fa3_backward.KERNELS:
+            return fa3_backward.dispatch_backward(config.bwd_kernel, self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
 
     def _refuse_wide_backward(self, p):
@@ -293,14 +296,15 @@ class FA3Wgmma(FA2TensorCore):
         self._refuse_wide_backward(p)
         if has_mods(p):          # the generic path: fa2-tc's backward with the modifiers compiled in
             return None
-        if config.bwd_kernel == "wgmma":
-            return fa3_backward.backward_plan(self.name, p, config.bwd, strides)
+        if config.bwd_kernel in fa3_backward.KERNELS:
+            return fa3_backward.dispatch_plan(config.bwd_kernel, self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)
 
 
-BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma"), "mma", "backward kernels: mma, fa2-tc's (mma.sync, the default "
-                   "until the wgmma one has the tier's GPU evidence); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, "
-                   "128 keys per block, dQ by atomics)")
+BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma", "wgmma2"), "mma", "backward kernels: mma, fa2-tc's (mma.sync, the "
+                   "default until a wgmma one has the tier's GPU evidence); wgmma, kernels_cu/fa3_bwd.cu (five wgmma "
+                   "GEMMs, 128 keys per block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per "
+                   "tile by bulk reductions, the GEMMs overlapped with the element-wise steps)")
 # head dims: the forward's (multiples of 8 up to 256); the backward's stop at 128 (check() refuses past it:
 # the registry has one head-dim list for both directions)
 # score_mod / mask_mod: compiled into the forward (tc_mods.cuh), the backward fa2-tc's with the same modifiers

@@ -49,7 +49,7 @@ class WsConfig:
     philox_rounds: int = 10
     pingpong: bool = False
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
-    bwd_kernel: str = "mma"                              # "mma": fa2-tc's kernels; "wgmma": fa3_bwd.cu
+    bwd_kernel: str = "mma"                              # "mma": fa2-tc's; "wgmma": fa3_bwd.cu; "wgmma2": fa3_bwd2.cu
 
     @property
     def block_r(self) -> int:
@@ -211,5 +211,5 @@ register(Variant(
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
-                   {"bwd_kernel": "wgmma"}),
+                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "wgmma2"}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))

@@ -1,0 +1,406 @@
+// fa3_bwd2.cu: the second wgmma backward (issue 17 step 6), fp16 / bf16, fp32 accumulation, sm_90a.
+//
+// Seed: FA2 paper (002) Algorithm 2 (column-parallel, P recomputed from the logsumexp, D = rowsum(dO o O)
+// precomputed, dQ accumulated in fp32 across the key blocks) with its five GEMMs on wgmma (FA3 paper
+// Sec. 3). The rung below is fa3_bwd.cu (bwd_kernel="wgmma"): the same tile (BC = 128 keys per block,
+// 64 per warpgroup, BR = 64 query rows per step, 256 threads, 1 block per SM), work list, masks,
+// dropout replay, cp.async double buffer of Q / dO / lse / D and dK / dV epilogue. What changes:
+//
+// 1. dQ: both warpgroups' dS^T rows go to one shared panel (a 256-thread named barrier), and at D = 128
+//    dQ (64 queries x 128) = dS (64 x 128 keys) K (128 x 128) is split along its columns: warpgroup w
+//    computes the 64 columns of K panel w over all 128 keys (m64n64, A = dS^T read MN-major, B = K
+//    MN-major). At D = 64 (one panel; an n32 half-panel operand was not tried) each warpgroup computes the
+//    64 x 64 partial over its own 64 keys, warpgroup 1 stages it in shared memory and warpgroup 0 adds it
+//    to its own (a 256-thread arrive / sync), so there too one partial leaves the block. No branch on
+//    the warpgroup encloses a wgmma: ptxas serializes every wgmma of a kernel where one does (C7519).
+//    One fp32 partial per element per block and Q tile instead of two, and no per-thread atomics: a
+//    warpgroup writes its 64 x 64 fp32 block into shared memory in accumulator order (thread t's n8 tile
+//    n at (n * 128 + t) * 16 bytes: consecutive threads, consecutive 16 bytes, no bank conflict), and
+//    one thread adds the 16 KB to global memory with one bulk reduction
+//    (cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32; PTX ISA 8.0, sm_90), issued right after
+//    the next tile's first block barrier (which publishes the staging, fenced for the async proxy) and
+//    double-buffered per warpgroup: the issuing thread waits for a reduction's read of its buffer one tile
+//    later, before the barrier that precedes the buffer's reuse. (ptxas counts bulk groups on cp.async's
+//    scoreboard, so waiting right after the issue would hold the next tile's cp.async wait too.) The fp32
+//    accumulator in global memory is in that accumulator order, [B*Hq][ceil(Nq / 64)][D / 64][8][128][4]
+//    floats, and a small second kernel (fa3_bwd2_dq) turns it into dq in q's dtype (scaled, rows < Nq,
+//    columns < d): the cast that the atomic backwards run after them anyway. (FA3's hopper/ backward
+//    does its dQ the same way: a per-warpgroup bulk reduction of an accumulator-ordered buffer and a
+//    post-processing kernel.) Traffic per block and Q tile at D = 128: 32 KB of reductions in 2 bulk
+//    operations, was 64 KB in 4096 float4 atomics (issue 17: about 8.6 GB of atomics per backward at
+//    B*H = 64, N = 4096); at D = 64, 16 KB in 1, was 32 KB.
+// 2. Overlap (the GEMMs are asynchronous; each wait is where a result or a buffer is needed):
+//      S^T, dP^T issued as two groups (the dropout keep mask, 32 Philox calls, computed under them);
+//      wait<1>: S^T done, P = exp2(S scale - lse) computed while dP^T runs (two copies of that loop: full
+//      tiles skip the mask's per-element branches); dV += P_drop^T dO issued at once (P in registers);
+//      wait<1>: dP^T done, dS = P o (dP Z - D) while dV runs; dS^T stored; barrier; dQ issued, then
+//      dK += dS^T Q; wait<1>: dQ done, staged while dK runs; dK is not waited for at the end of the tile
+//      but runs under the next tile's block barrier and S^T / dP^T (its A operand is the dS^T panel, not
+//      registers: an A operand in registers across the loop's back edge made ptxas wait and copy the next
+//      S^T accumulators), completing by that tile's first wait; a 256-thread barrier there frees its Q
+//      buffer for the copies of the tile after.
+//    -DFA3_BWD2_SERIAL (SANDBOX_BWD2_SERIAL=1 in variants/fa3_backward.py) waits for every GEMM group as
+//    soon as it is issued instead: changes 1 and 3 without 2, for measuring them apart.
+// 3. Copies: lse and D of the next tile by cp.async as Q and dO (fa3_bwd.cu loads them into registers
+//    and stores them, which holds warps 0-1, so warpgroup 0's next wgmma, for a memory latency per tile),
+//    issued after the first wait of the tile rather than before its GEMMs. No TMA (the issue's step 3).
+// Predicted (H100, B = 4, H = 16, N = 4096, d = 128, fp16, non-causal; backward alone ~200 TFLOP/s with
+// fa3_bwd.cu, which the ncu profile of session 4 shows latency-bound: 0.27 instructions per scheduler-cycle,
+// no eligible warp 73% of cycles, L2 57% busy with the atomics, spills in its loop; ~6.7 us per Q tile
+// where the tensor cores need ~1.5 us and shared memory ~1.7 us (S^T, dP^T, dQ are m64n64 with both
+// operands in shared memory: ~128 B/clk, the SM's whole bandwidth)):
+//   changes 1 + 3 alone (-DFA3_BWD2_SERIAL): 260-300 TFLOP/s (+30-50%: no atomics from the LSU and half
+//   the reduction traffic, no spills, no register loads of lse / D);
+//   change 2 on top (the default build): 290-350 TFLOP/s (+10-20% more: the exponentials, about a fifth
+//   of a tile's tensor time, dS, the dQ staging and the tile boundary run under GEMMs).
+//   fwd + bwd from torch: ~245 -> 340-390 TFLOP/s (cuDNN 534: 0.65-0.73x). Causal about the same ratios;
+//   d = 64 +30-50% (twice d = 128's element-wise work per FLOP at BR = 64: it stays further from cuDNN).
+// Not yet measured.
+//
+// Kernels
+//   fa3_bwd2<T, D, R, DROPOUT>   grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K.
+//   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T.
+// Envelope: D in {64, 128}; sm_90a. Not deterministic (reduction order); the deterministic dQ stays
+// fa2-tc's (variants/fa3_wgmma.py).
+// Shared memory (bytes, variants/fa3_backward.py smem2): K, V 2 * 128 D * 2; Q, dO two buffers each
+// 4 * 64 D * 2; dS^T 128 * 64 * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * 64 * 4; 1024 of
+// alignment: 215040 at D = 128, 149504 at D = 64.
+// Compile report (NVRTC 13, sm_90a, fp16 = bf16, as -DFA3_BWD2_SERIAL): D = 128 250 registers (255 with
+// dropout), D = 64 187 (225), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26.
+#include "tc_softmax.cuh"
+#include "hopper.cuh"
+
+#define LOG2E_F 1.4426950408889634f
+
+#ifdef FA3_BWD2_SERIAL
+#define BWD2_SERIAL true
+#else
+#define BWD2_SERIAL false
+#endif
+
+// ---- device helpers
+
+// 4 bytes global -> shared, asynchronous; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// ---- kernels
+
+template <typename T, int D, int R, bool DROPOUT>
+__global__ void __launch_bounds__(256, 1)
+fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
+         const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
+         const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
+         const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
+         const float* __restrict__ LSE,      // [B, Hq, Nq]
+         const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
+         float* __restrict__ dQacc,          // [B*Hq, ceil(Nq/64), 64 D] fp32 in accumulator order, zeroed
+         T* __restrict__ dK,                 // [B, Hkv, Nk, d] contiguous
+         T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
+         const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
+         int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
+         float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+    constexpr int THREADS = 256, BR = 64, BC = 128;
+    constexpr int NQ = BR / 8, ND = D / 8;
+    constexpr unsigned STAGE = BR * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
+    static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const unsigned sK = (smem_addr(smem_raw) + 1023u) & ~1023u;   // [D/64][BC][64] panels
+    const unsigned sV = sK + BC * D * 2;
+    const unsigned sQ = sV + BC * D * 2;                            // [2][D/64][BR][64]
+    const unsigned sdO = sQ + 2 * BR * D * 2;                       // [2][D/64][BR][64]
+    const unsigned sdS = sdO + 2 * BR * D * 2;                      // [BC][BR]: dS^T, one panel (BR = 64)
+    const unsigned sdQ = sdS + BC * BR * 2;                         // [2 warpgroups][2][STAGE]: dQ staging
+    constexpr unsigned QBUF = BR * D * 2;
+    float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 4 * STAGE - smem_addr(smem_raw)));   // [2][BR] lse
+    float* sD = sL + 2 * BR;                                                                          // [2][BR]
+
+    const Mask mask = MASK_FROM_PARAMS;
+    const Dropout drop = DROPOUT_FROM_PARAMS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4, wg = warp / 4;
+    const int wt = threadIdx.x % 128;                             // thread of the warpgroup
+    const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
+    const int col0 = tc * BC, wkey = warp * 16, dch = d / 8;     // the warp's 16 keys of the tile
+    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
+    const float scale_log2 = scale * LOG2E_F;
+    const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
+    const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
+
+    load_panels_async<BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
+    load_panels_async<BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
+    cp_async_commit();
+
+    float dk[1][ND][4], dv[1][ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = 0.0f;
+    int t0, t1;
+    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
+
+    // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
+    auto cls_of = [&](int gi, int t) {
+        return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
+    };
+    auto advance = [&](int& gi, int& t) {
+        if (t0 > t1) return false;
+        do {
+            if (++t > t1) { t = t0; if (++gi >= group) return false; }
+        } while (cls_of(gi, t) == TILE_EMPTY);
+        return true;
+    };
+    auto issue = [&](int gi, int t, int buf) {
+        const int h = hk * group + gi, bh = b * Hq + h, row0 = t * BR;
+        load_panels_async<BR, D, THREADS>(sQ + buf * QBUF, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
+        load_panels_async<BR, D, THREADS>(sdO + buf * QBUF, dO + b * do_sb + h * do_sh, do_sm, row0, Nq, dch);
+        // lse and D by cp.async too (fa3_bwd.cu loads them into registers here, which holds warps 0-1, and so
+        // warpgroup 0's next wgmma, for a global-memory latency per tile); rows >= Nq zero-filled (their Q and
+        // dO rows are zero: S = 0, dP = 0, D = 0, so they add nothing; masked tiles test i < Nq anyway)
+        for (int x = threadIdx.x; x < BR; x += THREADS) {
+            const int i = row0 + x;
+            const long long at = (long long)bh * Nq + min(i, Nq - 1);
+            cp_async_4(smem_addr(sL + buf * BR + x), LSE + at, i < Nq ? 4 : 0);
+            cp_async_4(smem_addr(sD + buf * BR + x), Dv + at, i < Nq ? 4 : 0);
+        }
+    };
+
+    int gi = 0, t = t0 - 1, buf = 0;                  // the work list's next tile; its Q / dO buffer
+    // The thread that issues a warpgroup's dQ reductions (D = 128: both warpgroups; D = 64: warpgroup 0), and
+    // the block staged in the last tile, reduced at the start of the next (after its block barrier): `pend` =
+    // (b*Hq + h) * ceil(Nq / 64) + its Q tile, -1 for none; its staging buffer is that tile's Q / dO buffer
+    // index (both alternate per tile), buf ^ 1 until buf moves on in this tile.
+    const bool issuer = wt == 0 && (D == 128 || wg == 0);
+    int pend = -1;
+    auto reduce_pending = [&]() {
+        if (issuer && pend >= 0) {
+            bulk_reduce_add_f32(dQacc + (long long)pend * (BR * D) + wg * (BR * 64), sdQ + (wg * 2 + (buf ^ 1)) * STAGE, STAGE);
+            bulk_commit();
+        }
+    };
+
+    // gi = group once the work list is exhausted (advance leaves it there), so the loop carries no flag
+    if (!advance(gi, t)) gi = group;
+    if (gi < group) issue(gi, t, 0);
+    cp_async_commit();                                // K, V and the first Q / dO tile
+    while (gi < group) {
+        const int cgi = gi, ct = t, cbuf = buf;
+        advance(gi, t);
+        const bool have = gi < group;                 // a next tile
+        if (issuer) bulk_wait_read<0>();              // the reduction issued a tile ago has read its buffer
+        cp_async_wait<0>();
+        fence_proxy_async();                          // the copies (and the dQ staging) are read by the async proxy next
+        __syncthreads();                              // this tile landed; the last one's dS^T, dQ reads and staging are done
+        reduce_pending();                             // the last tile's dQ block
+
+        const int h = hk * group + cgi, bh = b * Hq + h, cls = cls_of(cgi, ct), row0 = ct * BR;
+        const unsigned q_tile = sQ + cbuf * QBUF, do_tile = sdO + cbuf * QBUF;
+        const float* cL = sL + cbuf * BR;
+        const float* cD = sD + cbuf * BR;
+        float s[1][NQ][4], dp[1][NQ][4];
+        wgmma_fence();
+        wg_gemm_qk<T, D, BR, BC>(s[0], k_rows, q_tile);      // S^T: this warpgroup's 64 keys x 64 queries
+        wgmma_commit();
+        wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
+        wgmma_commit();
+        if (BWD2_SERIAL) wgmma_wait<0>();
+
+        // The dropout keep mask while the tensor cores run: bit 4 n + e of `dropped` set where dropout zeroes
+        // element (n, e) (query row0 + 8 n + 2 tq + (e & 1), key col0 + wkey + g + 8 (e >= 2)), whether
+        // visible or not (an invisible element's P is 0 either way).
+        unsigned dropped = 0u;
+        if (DROPOUT) {
+#pragma unroll 1
+            for (int n = 0; n < NQ; ++n)              // rolled: unrolled, the Philox calls interleave and spill
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row0 + n * 8 + 2 * tq + (e & 1), j = col0 + wkey + g + (e >= 2 ? 8 : 0);
+                    if (dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3)) == 0.0f)
+                        dropped |= 1u << (4 * n + e);
+                }
+        }
+        wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
+        fence_accumulators(s[0]);
+        fence_accumulators(dk[0]);
+        // The last tile's dK += dS^T Q read its Q buffer and the dS^T panel under this tile's first GEMMs; at
+        // this barrier both warpgroups' have completed, so the next tile's copies take the buffer (and pass 2
+        // below may rewrite the panel). Issued here, not right after S^T and dP^T: there the copies' address
+        // arithmetic beside the accumulators in flight makes ptxas split S^T, wait for it and copy its 32
+        // accumulators (NVRTC 13).
+        named_sync(3, THREADS);
+        if (have) issue(gi, t, buf ^ 1);
+        cp_async_commit();
+        buf ^= 1;
+
+        // P = 2^(S scale_log2 - lse) where visible; element (n, e): query x = 8 n + 2 tq + (e & 1), key
+        // wkey + g + 8 (e >= 2). Two copies of the loop: full tiles (every tile of a non-causal problem but
+        // the edges) test only for dead rows (lse = -inf), without the per-element branches of the mask.
+        const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+        auto exp_scores = [&](bool check) {
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;     // query
+                    const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);         // key
+                    const float L = cL[x] * LOG2E_F;                            // lse in log2 units
+                    const bool vis = L != NEG_INF && (!check || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                    s[0][n][e] = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L) : 0.0f;
+                }
+        };
+        if (masked) exp_scores(true);
+        else exp_scores(false);
+        auto factor = [&](int n, int e) {             // Z / (1 - p) of element (n, e) (1 without dropout)
+            return DROPOUT ? ((dropped >> (4 * n + e)) & 1u ? 0.0f : keep_factor) : 1.0f;
+        };
+        unsigned pa[BR / 16][4];                      // P_drop^T as dV's A operand: keys 16 kk .. 16 kk + 15 of the queries
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int n = 2 * kk + q / 2, e0 = 2 * (q % 2);
+                pa[kk][q] = Elem<T>::pack(s[0][n][e0] * factor(n, e0), s[0][n][e0 + 1] * factor(n, e0 + 1));
+            }
+        wgmma_fence();
+        wg_gemm_pv<T, D, BR>(dv[0], pa, do_tile);     // dV += P_drop^T dO
+        wgmma_commit();
+        if (BWD2_SERIAL) wgmma_wait<0>();
+        wgmma_wait<1>();                              // dP^T landed; dV may still run
+        fence_accumulators(dp[0]);
+
+        // dS^T = P o (dP Z / (1 - p) - D), packed to 16 bits into the dS^T panel (dQ's and dK's A operand)
+        unsigned pd[BR / 16][4];
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int x = n * 8 + 2 * tq + (e & 1);
+                dp[0][n][e] = s[0][n][e] * (dp[0][n][e] * factor(n, e) - cD[x]);
+            }
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int n = 2 * kk + q / 2, e0 = 2 * (q % 2);
+                pd[kk][q] = Elem<T>::pack(dp[0][n][e0], dp[0][n][e0 + 1]);
+            }
+        // dS^T (16-bit) into its panel: key row r, query c at r * 128 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2;
+        // pd[n / 2][2 (n % 2) + hr] holds row wkey + g + 8 hr, queries 8 n + 2 tq, + 1
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                const int r = wkey + g + 8 * hr, c = n * 8 + 2 * tq;
+                const unsigned addr = sdS + r * 128 + (((c / 8) ^ (r % 8)) << 4) + (c % 8) * 2;
+                asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(pd[n / 2][2 * (n % 2) + hr]));
+            }
+        fence_proxy_async();
+        named_sync(1, THREADS);                       // both warpgroups' dS^T rows are in the panel
+        wgmma_fence();
+
+        // dQ block of this warpgroup: 64 queries x 64 columns (K panel kp) over KEYS keys from key k0, A = the
+        // dS^T panel rows k0.. read MN-major (queries contiguous), B = K panel kp MN-major (d contiguous); k16
+        // steps 16 keys (2048 bytes) apart. D = 128: columns 64 wg.., all 128 keys; D = 64: all 64 columns over
+        // this warpgroup's 64 keys (a partial, added to warpgroup 0's below). No branch on the warpgroup
+        // around a wgmma (ptxas serializes every wgmma of a kernel that has one).
+        constexpr int KEYS = D == 128 ? BC : BC / 2;
+        const int k0 = D == 128 ? 0 : wg * 64, kp = D == 128 ? wg : 0;
+        float dq[8][4];
+#pragma unroll
+        for (int kk = 0; kk < KEYS / 16; ++kk) {
+            const unsigned long long da = wgmma_desc(sdS + (k0 + kk * 16) * 128, 1024, 1024);
+            const unsigned long long db = wgmma_desc(sK + kp * BC * 128 + (k0 + kk * 16) * 128, BC * 128, 1024);
+            Wgmma<T, 64, true>::ss_ta(dq, da, db, kk > 0);
+        }
+        wgmma_commit();
+        // dK += dS^T Q (scaled at the end) with A = this warpgroup's 64 dS^T rows from the panel (K-major, as Q
+        // in S = Q K^T), not from the pd registers: dK runs on into the next tile, and an A operand in registers
+        // across the loop's back edge makes ptxas wait for it and copy the next S^T accumulators (NVRTC 13)
+#pragma unroll
+        for (int kk = 0; kk < BR / 16; ++kk)
+            Wgmma<T, D, true>::ss(dk[0], wgmma_desc(sdS + wg * 64 * 128 + kk * 32, 16, 1024),
+                                  wgmma_desc(q_tile + kk * 2048, BR * 128, 1024), 1);
+        wgmma_commit();
+        if (BWD2_SERIAL) wgmma_wait<0>();
+        wgmma_wait<1>();                              // dV and dQ done; dK runs on into the next tile
+        fence_accumulators(dq);
+        fence_accumulators(dv[0]);
+
+        // Stage the block in accumulator order (thread wt's n8 tile n at (n * 128 + wt) * 16 bytes) for one
+        // bulk reduction per 16 KB, issued after the next block barrier. D = 64: warpgroup 1 stages its
+        // partial and arrives; warpgroup 0 adds it to its own first.
+        const unsigned stage = sdQ + (wg * 2 + cbuf) * STAGE;
+        if (D == 64 && wg == 0) {
+            named_sync(2, THREADS);                   // warpgroup 1's partial is staged
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                float4 x;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(stage + 2 * STAGE + (n * 128 + wt) * 16)
+                             : "memory");
+                dq[n][0] += x.x;
+                dq[n][1] += x.y;
+                dq[n][2] += x.z;
+                dq[n][3] += x.w;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
+                         :: "r"(stage + (n * 128 + wt) * 16), "f"(dq[n][0]), "f"(dq[n][1]), "f"(dq[n][2]), "f"(dq[n][3])
+                         : "memory");
+        if (D == 64 && wg == 1) named_arrive(2, THREADS);   // read by warpgroup 0; rewritten two tiles on
+        pend = bh * nTr + ct;
+    }
+    wgmma_wait<0>();                                  // the last dK
+    fence_accumulators(dk[0]);
+    fence_accumulators(dv[0]);
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();                                  // the last dQ block is staged
+    reduce_pending();
+    if (issuer) bulk_wait<0>();                       // this block's reductions are complete
+
+    // dK = scale dS^T Q, dV: this warp's 16 keys
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int j = col0 + wkey + g + 8 * hr;
+        if (j >= Nk) continue;
+        T* krow = dK + ((long long)bhk * Nk + j) * d;
+        T* vrow = dV + ((long long)bhk * Nk + j) * d;
+#pragma unroll
+        for (int n = 0; n < ND; ++n) {
+            const int c = n * 8 + 2 * tq;
+            if (c < d) {
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * scale, dk[0][n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[0][n][2 * hr], dv[0][n][2 * hr + 1]);
+            }
+        }
+    }
+}
+
+// dq (rows < Nq, columns < d, in T) = scale * the accumulator-ordered fp32 dQacc of fa3_bwd2. Element
+// (row r, column c) of a 64-row tile sits at ((c / 8) * 128 + t) * 4 + 2 h + (c % 2) floats into the tile
+// (D = 64 or 128: panel c / 64 is warpgroup c / 64's block, and its n8 tile is (c % 64) / 8), where
+// t = 32 (r / 16) + 4 (r % 8) + (c % 8) / 2 is the accumulator thread and h = (r % 16) / 8. A thread
+// writes 8 consecutive columns of one row (16 bytes); threads 2k and 2k + 1 take rows r and r + 8, which
+// share each 16-byte accumulator slot, so the reads are whole sectors.
+template <typename T>
+__global__ void __launch_bounds__(256)
+fa3_bwd2_dq(const float* __restrict__ acc, T* __restrict__ dQ, int Nq, int d, int D, float scale) {
+    const int tile = blockIdx.x, bh = blockIdx.y, nTr = gridDim.x, cgs = D / 8;
+    const float* src = acc + ((long long)bh * nTr + tile) * (64 * D);
+    for (int it = threadIdx.x; it < 64 * cgs; it += blockDim.x) {
+        const int h = it & 1, cg = (it >> 1) % cgs, pr = (it >> 1) / cgs;     // pr = 8 (r / 16) + r % 8
+        const int r = (pr / 8) * 16 + pr % 8 + 8 * h, i = tile * 64 + r, c0 = cg * 8;
+        if (i >= Nq || c0 >= d) continue;
+        const float* x = src + (cg * 128 + (pr / 8) * 32 + (pr % 8) * 4) * 4 + 2 * h;
+        unsigned w[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float2 v = *reinterpret_cast<const float2*>(x + 4 * q);
+            w[q] = Elem<T>::pack(v.x * scale, v.y * scale);
+        }
+        *reinterpret_cast<uint4*>(dQ + ((long long)bh * Nq + i) * d + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}

@@ -1,0 +1,334 @@
+"""bwd_kernel="wgmma2" (kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py): the second wgmma backward of the
+Hopper rungs. Without a GPU: the registry and dispatch (a choice of every Hopper rung, refused past d = 128
+and with modifiers, built by the compile gate and held to no spills), its shared memory, the NVRTC build
+of each kernel for sm_90a (no spills, no wgmma serialized by ptxas), and the accumulator order of the dQ
+buffer against the index arithmetic of fa3_bwd2_dq. With a GPU (`pytest -m gpu`): forward + backward
+against the float64 oracle (fp16 and bf16, d = 40, 64, 96, 128, masks, dropout, GQA, dead rows, ragged
+and long sequences), the pointer-level plan from torch against SDPA, and the -DFA3_BWD2_SERIAL build.
+"""
+import numpy as np
+import pytest
+
+import sandbox
+from sandbox import loader
+from variants import fa3_backward
+
+HOPPER = ("fa3-wgmma", "fa3-ws", "fa3")
+
+
+def _problem(d, **kw):
+    q = np.zeros((1, 4, 16, d), np.float16)
+    k = np.zeros((1, 2, 16, d), np.float16)
+    return sandbox.problem.make_problem(q, k, k, **kw)
+
+
+# ---- registry, dispatch, envelope
+
+@pytest.mark.parametrize("name", HOPPER)
+def test_wgmma2_is_a_backward_of_every_hopper_rung(name):
+    bound = sandbox.get_variant(name, bwd_kernel="wgmma2")
+    assert bound.config.bwd_kernel == "wgmma2"
+    for d in (8, 40, 64, 96, 128):
+        bound.check(_problem(d), "backward")
+    for d in (136, 256):
+        bound.check(_problem(d), "forward")
+        with pytest.raises(ValueError, match=rf"backward at head dim {d}.*d = 128"):
+            bound.check(_problem(d), "backward")
+    with pytest.raises(ValueError, match="backward at head dim 200"):
+        bound.variant.impl.backward_plan(_problem(200), bound.config, {})
+
+
+def test_wgmma2_refuses_modifiers_in_the_backward():
+    from sandbox import modifiers
+    bound = sandbox.get_variant("fa3", bwd_kernel="wgmma2")
+    p = _problem(64, score_mod=modifiers.softcap(30.0))
+    bound.check(p, "forward")
+    with pytest.raises(ValueError, match="bwd_kernel=.mma.*fa3_bwd2.cu"):
+        bound.check(p, "backward")
+
+
+def test_default_backward_is_unchanged():
+    for name in HOPPER:
+        assert sandbox.get_variant(name).config.bwd_kernel == "mma"
+    assert fa3_backward.KERNELS == ("wgmma", "wgmma2")
+
+
+def test_units_names_and_shared_memory():
+    from variants.fa3_wgmma import SMEM_LIMIT
+    # K, V; two buffers of Q and dO; the dS^T panel; 2 x 2 staging blocks of 64 x 64 fp32; lse, D; alignment
+    assert fa3_backward.smem2(128) == 2 * (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) + 4 * 16384 + 1024 + 1024 == 215040
+    assert fa3_backward.smem2(64) == 149504
+    assert max(fa3_backward.smem2(D) for D in (64, 128)) <= SMEM_LIMIT
+    u = fa3_backward.unit2("bfloat16", 128, 10, serial=False)
+    assert u.source == "fa3_bwd2.cu" and u.archs == ("sm_90a",)
+    assert u.names == ("fa3_bwd2<__nv_bfloat16, 128, 10, false>", "fa3_bwd2<__nv_bfloat16, 128, 10, true>",
+                       "fa3_bwd2_dq<__nv_bfloat16>")
+    assert u.dynamic_smem[u.names[0]] == 215040 and u.dynamic_smem["fa3_bwd2_dq<__nv_bfloat16>"] == 0
+    assert not any("FA3_BWD2_SERIAL" in o for o in u.options)
+    serial = fa3_backward.unit2("bfloat16", 128, 10, serial=True)
+    assert "-DFA3_BWD2_SERIAL" in serial.options and serial.label != u.label and serial.names == u.names
+    assert fa3_backward.acc_shape(_problem(64), 64) == (4, 1, 64 * 64)
+
+
+def test_the_compile_gate_builds_wgmma2_and_holds_it_to_no_spills():
+    from sandbox import compile_report
+    v = sandbox.registry.all_variants()["fa3-wgmma"]
+    bound = next(b for b in compile_report.configs(v, gate=True) if b.params["bwd_kernel"] == "wgmma2")
+    units = [u for u in v.impl.compile_units(bound.config) if u.source == "fa3_bwd2.cu"]
+    assert {(u.label) for u in units} == {f"fa3-bwd2[{dt}, D={D}]" for dt in ("float16", "bfloat16") for D in (64, 128)}
+    assert all(v.impl.tuned(bound.config, u) for u in units)
+    # the default config builds no fa3_bwd2 kernel (the CI gate adds them through report_configs only)
+    assert not [u for u in v.impl.compile_units(v.bind().config) if u.source == "fa3_bwd2.cu"]
+
+
+# ---- the sm_90a build: ptxas's report
+
+def test_kernels_compile_without_spills_or_serialized_wgmma():
+    """fp16 (the gate builds bf16 too), one kernel per program as the compile report builds it (the same
+    cache key): no spills, shared memory within the limit, and no ptxas note that wgmma instructions were
+    serialized (C7515 / C7519: a wgmma under a branch, an accumulator copied), which would undo the overlap."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from sandbox import compile_report
+    bound = sandbox.get_variant("fa3-wgmma", bwd_kernel="wgmma2")
+    units = [fa3_backward.unit2("float16", D, 10, serial=False) for D in (64, 128)]
+    jobs = compile_report.kernel_jobs([("fa3-wgmma", bound, u) for u in units], ("sm_90",))
+    loader.build_many([(j, "sm_90") for j in jobs.values()])
+    for key, job in jobs.items():
+        b = loader.build(job, "sm_90")
+        (r,) = loader.reports(job, b)
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (key, r)
+        assert r.static_smem + job.dynamic_smem[key[2]] <= compile_report.SMEM_LIMIT["sm_90"], (key, r)
+        assert "serialized" not in b.log and "C7515" not in b.log and "C7519" not in b.log, b.log
+
+
+# ---- the dQ accumulator's order (kernel side: fa3_bwd2's staging; reader: fa3_bwd2_dq)
+
+def _staged_position(D):
+    """(row, column) -> float offset in one 64-row tile of dQacc, as fa3_bwd2 stages it: warpgroup w's
+    thread t (warp t / 32 of the warpgroup, lane (g, tq)) holds the m64n64 accumulator d[n][e] of columns
+    64 w + 8 n + 2 tq + (e & 1), rows 16 (t / 32) + g + 8 (e >= 2), written as float4 n at (n * 128 + t) * 4
+    floats of the warpgroup's 4096-float block."""
+    pos = np.full((64, D), -1, np.int64)
+    for w in range(D // 64):
+        for t in range(128):
+            g, tq = (t % 32) // 4, t % 4
+            for n in range(8):
+                for e in range(4):
+                    row, col = 16 * (t // 32) + g + 8 * (e >= 2), 64 * w + 8 * n + 2 * tq + (e & 1)
+                    pos[row, col] = w * 4096 + (n * 128 + t) * 4 + e
+    return pos
+
+
+def _reader_position(D):
+    """The same map as fa3_bwd2_dq reads it: thread item it -> row r, columns c0..c0+7 from
+    (cg * 128 + (pr / 8) * 32 + (pr % 8) * 4) * 4 + 2 h + 4 q + {0, 1}."""
+    pos = np.full((64, D), -1, np.int64)
+    cgs = D // 8
+    for it in range(64 * cgs):
+        h, cg, pr = it & 1, (it >> 1) % cgs, (it >> 1) // cgs
+        r, c0 = (pr // 8) * 16 + pr % 8 + 8 * h, cg * 8
+        base = (cg * 128 + (pr // 8) * 32 + (pr % 8) * 4) * 4 + 2 * h
+        for q in range(4):
+            pos[r, c0 + 2 * q] = base + 4 * q
+            pos[r, c0 + 2 * q + 1] = base + 4 * q + 1
+    return pos
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_accumulator_order_is_what_the_dq_kernel_reads(D):
+    staged, read = _staged_position(D), _reader_position(D)
+    assert (staged >= 0).all() and sorted(staged.ravel()) == list(range(64 * D))     # a bijection onto the tile
+    assert (staged == read).all()
+
+
+# ---- GPU: against the oracle, from torch, the serial build
+
+def _cases(dtype, d):
+    """Non-causal (Nq < 64, Nk < 128, one tile each), large logits, causal GQA with dead rows (Nq > Nk),
+    dropout (causal, and with a window), block-sparse, a negative scale, and long ragged sequences (many Q
+    tiles per block: the double buffers, the deferred reductions, the work list across the group's heads;
+    at d = 64 and 128)."""
+    from sandbox import fuzz
+    from sandbox.masks import BlockSparse
+    return [
+        fuzz.Case(1, 2, 2, 1, 1, d, dtype, {}, 0),
+        fuzz.Case(2, 2, 2, 37, 90, d, dtype, {}, 1, logit_scale=4.0),
+        fuzz.Case(1, 4, 2, 200, 161, d, dtype, {"causal": True}, 2),
+        fuzz.Case(1, 4, 1, 257, 300, d, dtype, {"causal": True, "dropout_p": 0.3, "seed": 2**40 + 5, "offset": 7}, 3),
+        fuzz.Case(1, 2, 2, 150, 240, d, dtype, {"window": (40, 7), "dropout_p": 0.5, "seed": 11}, 4, mean=0.5),
+        fuzz.Case(1, 2, 1, 97, 241, d, dtype, {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 5),
+        fuzz.Case(1, 2, 2, 64, 90, d, dtype, {"scale": -0.3, "causal": True}, 6),
+    ] + ([fuzz.Case(1, 4, 2, 700, 1030, d, dtype, {}, 7),
+          fuzz.Case(2, 2, 2, 1000, 1000, d, dtype, {"causal": True}, 8)] if d in (64, 128) else [])
+
+
+@pytest.fixture(scope="module")
+def built():
+    from sandbox.device import arch
+    units = [fa3_backward.unit2(dt, D, 10, serial=sr) for dt in ("float16", "bfloat16") for D in (64, 128)
+             for sr in (False, True)]
+    fa3 = sandbox.get_variant("fa3").config
+    units += [fa3.bwd.backward_unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]   # rowdot
+    units += [fa3.unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]                # forwards
+    units.append(sandbox.get_variant("fa3-wgmma").config.unit("float16", 128))
+    loader.prebuild(units, arch())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [40, 64, 96, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma2_matches_the_oracle(built, dtype, d):
+    from sandbox import fuzz
+    bound = sandbox.get_variant("fa3", bwd_kernel="wgmma2")
+    for case in _cases(dtype, d):
+        fuzz.assert_case(bound, case, "backward")
+
+
+@pytest.mark.gpu
+def test_wgmma2_on_fa3_wgmma_and_the_serial_build(built, monkeypatch):
+    """The same kernels behind fa3-wgmma's forward; then the -DFA3_BWD2_SERIAL build (the ablation the
+    timing compares) on the same cases."""
+    from sandbox import fuzz
+    cases = [c for c in _cases("float16", 128) if c.Nq > 1][:4] + _cases("float16", 128)[-1:]
+    for case in cases:
+        fuzz.assert_case(sandbox.get_variant("fa3-wgmma", bwd_kernel="wgmma2"), case, "backward")
+    monkeypatch.setattr(fa3_backward, "SERIAL", True)
+    for case in cases:
+        fuzz.assert_case(sandbox.get_variant("fa3", bwd_kernel="wgmma2"), case, "backward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma2_from_torch_against_sdpa(built, causal):
+    """sandbox.torch's autograd (the pointer-level plan: dq_acc zeroed by torch, dq in q's dtype) against
+    SDPA in float64, with the tolerance rule of tests/test_gpu_torch.py; and a second run agrees (the
+    reduction order may differ: within fp32 rounding of the accumulation, so equal after the fp16 cast to
+    within one ulp)."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, dout = (torch.randn(2, 4, 520, 128, device="cuda", generator=g, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 600, 128, device="cuda", generator=g, dtype=torch.float16) for _ in range(2))
+
+    def grads(fn, *xs):
+        xs = [x.detach().clone().requires_grad_(True) for x in xs]
+        out = fn(*xs)
+        out.backward(dout.to(out.dtype))
+        return [out.detach()] + [x.grad for x in xs]
+
+    def ours(a, b, c):
+        return st.attention(a, b, c, variant="fa3", bwd_kernel="wgmma2", causal=causal, enable_gqa=True)
+
+    def sdpa(a, b, c):
+        return torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal, enable_gqa=True)
+
+    got, again = grads(ours, q, k, v), grads(ours, q, k, v)
+    ref = grads(sdpa, q.double(), k.double(), v.double())
+    base = grads(sdpa, q, k, v)
+    eps = 2**-10
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        r = ref[i]
+        err = (got[i].double() - r).abs().max().item()
+        factor, ulps = (2.0, 1.0) if what == "out" else (3.0, 2.0)
+        tol = factor * (base[i].double() - r).abs().max().item() + ulps * eps * r.abs().max().item()
+        assert err <= tol, f"{what}: err {err:.3g} > tol {tol:.3g}"
+        assert (got[i].double() - again[i].double()).abs().max().item() <= 2 * eps * r.abs().max().item(), what
+
+
+# ---- device-call helpers (not tests): python3 tests/test_fa3_bwd.py MODE
+#   prebuild   every module the GPU tests, the fuzz and the timing use, built in parallel (NVRTC)
+#   small      one small forward + backward at D = 128 (causal, GQA) and D = 64 (dropout, window): for
+#              compute-sanitizer memcheck / racecheck
+#   time       from torch, B = 4, H = 2048 / d, N = 4096, fp16: backward alone and forward + backward of fa3
+#              with each backward (mma, wgmma, wgmma2) beside SDPA flash and cuDNN, TFLOP/s (backward 2.5x,
+#              both 3.5x the forward's 4 B H N^2 d, halved causal); argv[2:] restricts the rows (e.g. wgmma2)
+#   profile    d = 128, N = 4096: one backward with wgmma, one with wgmma2 (for ncu, kernels fa3_bwd / fa3_bwd2)
+
+def _main(argv):
+    mode = argv[1]
+    if mode == "prebuild":
+        from sandbox.device import arch
+        fa3 = sandbox.get_variant("fa3").config
+        units = []
+        for dt in ("float16", "bfloat16"):
+            for D in (64, 128):
+                units += [fa3_backward.unit2(dt, D, 10, serial=False), fa3_backward.unit2(dt, D, 10, serial=True),
+                          fa3_backward.unit(dt, D, 10), fa3.unit(dt, D), fa3.bwd.backward_unit(dt, D)]
+        units.append(sandbox.get_variant("fa3-wgmma").config.unit("float16", 128))
+        loader.prebuild(units, arch())
+        print(f"built {len(units)} modules")
+    elif mode == "small":
+        rng = np.random.default_rng(0)
+        for (hq, hkv, nq, nk, d), kw in (((4, 2, 70, 150, 128), {"causal": True}),
+                                         ((2, 1, 130, 90, 40), {"dropout_p": 0.3, "seed": 5, "window": (30, 4)})):
+            q, dout = (rng.standard_normal((1, hq, nq, d)).astype(np.float16) for _ in range(2))
+            k, v = (rng.standard_normal((1, hkv, nk, d)).astype(np.float16) for _ in range(2))
+            res = sandbox.forward(q, k, v, variant="fa3", bwd_kernel="wgmma2", **kw)
+            dq, dk, dv = sandbox.backward(dout, res)
+            print(d, kw, [float(np.abs(np.asarray(sandbox.arrays.to_host(x), np.float32)).max()) for x in (dq, dk, dv)])
+    elif mode == "time":
+        _time(argv[2:])
+    elif mode == "profile":
+        import torch
+        q, k, v, dout = (torch.randn(4, 16, 4096, 128, device="cuda", dtype=torch.float16) for _ in range(4))
+        for kernel in ("wgmma", "wgmma2"):
+            res = sandbox.forward(q, k, v, variant="fa3", bwd_kernel=kernel)
+            sandbox.backward(dout, res)
+        torch.cuda.synchronize()
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+
+
+def _time(only):
+    import torch
+    import sandbox.torch as st
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    rows = [("fa3 mma", "mma"), ("fa3 wgmma", "wgmma"), ("fa3 wgmma2", "wgmma2"),
+            ("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)]
+    rows = [r for r in rows if not only or any(o in r[0] for o in only)]
+    serial = " (SANDBOX_BWD2_SERIAL=1)" if fa3_backward.SERIAL else ""
+    print(f"| d | causal | backward | bwd ms | bwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |{serial}")
+    print("|---|---|---|---|---|---|---|")
+    for d in (128, 64):
+        B, H, N = 4, 2048 // d, 4096
+        for causal in (False, True):
+            q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=torch.float16) for _ in range(4))
+            fwd = 4 * B * H * N * N * d / (2 if causal else 1)
+            for label, which in rows:
+                if isinstance(which, str):
+                    def f(a, b, c, which=which):
+                        return st.attention(a, b, c, variant="fa3", bwd_kernel=which, causal=causal)
+                    ctx = torch.enable_grad
+                else:
+                    def f(a, b, c):
+                        return torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)
+                    ctx = (lambda w=which: sdpa_kernel(w))
+                with ctx():
+                    xs = [x.detach().requires_grad_(True) for x in (q, k, v)]
+                    out = f(*xs)
+                    bwd_ms = _events(lambda: out.backward(dout, retain_graph=True))
+
+                    def both():
+                        f(*xs).backward(dout)
+                    both_ms = _events(both)
+                print(f"| {d} | {causal} | {label} | {bwd_ms:.3f} | {2.5 * fwd / bwd_ms / 1e9:.0f} | {both_ms:.3f} | "
+                      f"{3.5 * fwd / both_ms / 1e9:.0f} |", flush=True)
+
+
+def _events(fn, warmup=3, reps=10):
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+if __name__ == "__main__":
+    import sys
+    _main(sys.argv)
