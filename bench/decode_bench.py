@@ -20,6 +20,11 @@ written (`copy GB/s` = bytes / time), measured per problem; `% copy` = decode GB
 Baseline: SDPA's flash backend (enable_gqa) on the contiguous view, where PyTorch with CUDA is
 importable and the backend takes the problem (else the cell says why).
 
+The kernel path follows sandbox.decode's switches: SANDBOX_DECODE_FUSED=0 times the two-launch form
+(split kernel + decode_merge) instead of the one-launch default, SANDBOX_DECODE_PIPE=0 the register
+load path, SANDBOX_DECODE_L2=normal the K/V stream without the evict-first L2 hint; the table's
+header and the JSON meta say which ran, and S is the split count of each row.
+
     python -m bench decode [--batches 1,8,64] [--seqlens 4096,16384,65536,262144] [--page-size 64]
 """
 from __future__ import annotations
@@ -139,10 +144,11 @@ def _one(name, base, kv_bytes, page_size, reps, checks, torch, why_not) -> list[
     moved = kv_bytes + 2 * q.nbytes
     calls = {"contiguous": lambda: sandbox.forward(q, k, v, variant=name),
              "paged": lambda: decode.forward(q, kp, vp, [N] * B, block_table=table)}
+    splits = decode.launch_plan(B, HQ, HKV, 1, D, DTYPE, N)[2]      # the kernel's split count (both layouts)
     for lay in LAYOUTS:
         t = check_then_time(lambda lay=lay: checks(lay), lambda lay=lay: calls[lay], reps)
         row = {**base, "layout": lay, "status": t["status"], "bytes": moved, "copy_ms": copy_ms,
-               "copy_GBps": kv_bytes / copy_ms / 1e6}
+               "copy_GBps": kv_bytes / copy_ms / 1e6, "splits": splits}
         if "ms" in t:
             row.update(ms=t["ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], GBps=moved / t["ms"] / 1e6)
             row["pct_copy"] = 100.0 * row["GBps"] / row["copy_GBps"]
@@ -152,7 +158,7 @@ def _one(name, base, kv_bytes, page_size, reps, checks, torch, why_not) -> list[
         row.update(sdpa)
         if "ms" in row and "sdpa_ms" in sdpa:
             row["speedup_vs_sdpa"] = sdpa["sdpa_ms"] / row["ms"]
-        print(f"  {name} {row['layout']:10s} B={B:3d} N={N:7d} " + (
+        print(f"  {name} {row['layout']:10s} B={B:3d} N={N:7d} S={splits:3d} " + (
             f"{row['ms']:8.3f} ms {row['GBps']:7.0f} GB/s {row['pct_copy']:5.1f}% copy" if "ms" in row
             else row["status"]) + (f"  sdpa {sdpa['sdpa_ms']:.3f} ms" if "sdpa_ms" in sdpa else ""), flush=True)
     return rows
@@ -180,18 +186,19 @@ def _sdpa_row(torch, why_not, q, k, v, reps) -> dict:
 
 
 def markdown(rows, page_size: int) -> str:
-    out = [f"Decoding (Nq = 1, Hq = {HQ}, Hkv = {HKV}, d = {D}, fp16; paged: pages of {page_size} keys, shuffled): "
-           "bytes moved / time against a device copy of the same bytes and SDPA flash (contiguous)", "",
-           "| variant | layout | B | N | ms | GB/s | copy GB/s | % copy | SDPA flash ms | speedup vs SDPA |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [f"Decoding (Nq = 1, Hq = {HQ}, Hkv = {HKV}, d = {D}, fp16; paged: pages of {page_size} keys, shuffled; "
+           f"kernel path pipe={decode.DEFAULT_PIPE} fused={decode.DEFAULT_FUSED} l2={decode.DEFAULT_L2}): bytes moved "
+           "/ time against a device copy of the same bytes and SDPA flash (contiguous); S = the kernel's splits", "",
+           "| variant | layout | B | N | S | ms | GB/s | copy GB/s | % copy | SDPA flash ms | speedup vs SDPA |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "ms" not in r:
-            out.append(f"| {r['variant']} | {r['layout']} | {r['B']} | {r['N']} | {r['status'][:70]} | | | | | |")
+            out.append(f"| {r['variant']} | {r['layout']} | {r['B']} | {r['N']} | | {r['status'][:70]} | | | | | |")
             continue
-        sd = f"{r['sdpa_ms']:.3f}" if "sdpa_ms" in r else r.get("sdpa", "")[:50]
+        sd = f"{r['sdpa_ms']:.4f}" if "sdpa_ms" in r else r.get("sdpa", "")[:50]
         sp = f"{r['speedup_vs_sdpa']:.2f}x" if "speedup_vs_sdpa" in r else ""
-        out.append(f"| {r['variant']} | {r['layout']} | {r['B']} | {r['N']} | {r['ms']:.3f} | {r['GBps']:.0f} | "
-                   f"{r['copy_GBps']:.0f} | {r['pct_copy']:.1f}% | {sd} | {sp} |")
+        out.append(f"| {r['variant']} | {r['layout']} | {r['B']} | {r['N']} | {r.get('splits', '')} | {r['ms']:.4f} | "
+                   f"{r['GBps']:.0f} | {r['copy_GBps']:.0f} | {r['pct_copy']:.1f}% | {sd} | {sp} |")
     return "\n".join(out)
 
 
@@ -222,7 +229,8 @@ def add_arguments(ap):
 def main(args, out: Path):
     rows = [r for name in series() for r in run(name, list(args.batches), list(args.seqlens), args.page_size,
                                                 args.reps)]
-    meta = stamp(variants=series(), page_size=args.page_size)
+    meta = stamp(variants=series(), page_size=args.page_size, pipe=decode.DEFAULT_PIPE, fused=decode.DEFAULT_FUSED,
+                 l2=decode.DEFAULT_L2)
     write(out, "decode", "decode", meta, rows, markdown(rows, args.page_size))
     try:
         plot({"meta": meta, "rows": rows}, out / "decode.png")

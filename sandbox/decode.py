@@ -22,11 +22,14 @@ Two paths, the same semantics (tests/test_decode.py, tests/test_decode_gpu.py):
   bfloat16 with d in KERNEL_HEAD_DIMS, Nq <= KERNEL_MAX_NQ, `variant=None` and no variant
   parameters. Grid (split, K/V head x row tile, batch): the G query heads of a K/V head times the Nq
   rows are the rows of one tile, so K and V are read once per K/V head (per tile of up to 16 rows);
-  pages are read in place through the block table; cache lengths and the table go to the device by
-  an asynchronous copy from pinned memory on the caller's stream (no synchronisation); a second
-  small kernel merges the splits. Page sizes: powers of two (ValueError naming page_size
-  otherwise); K/V rows 16-byte aligned (ValueError naming the cache otherwise). The number of
-  splits follows from the SM count and the longest sequence (`plan_splits`); `num_splits` caps it.
+  pages are read in place through the block table; ragged cache lengths and the table go to the
+  device by one asynchronous copy from pinned memory on the caller's stream (no synchronisation;
+  equal lengths go by value, so a contiguous call with equal lengths copies nothing); one launch:
+  the last block of each sequence and row tile to finish merges the splits (arrival counters kept
+  zeroed per stream, `_counters`; SANDBOX_DECODE_FUSED=0 selects the old split kernel + merge
+  kernel). Page sizes: powers of two (ValueError naming page_size otherwise); K/V rows 16-byte
+  aligned (ValueError naming the cache otherwise). The number of splits follows from the SM count
+  and the longest sequence (`plan_splits`); `num_splits` caps it.
 - The reference rung (any other request, or `variant=` given): per sequence, the key range [0, L_b)
   is cut into `num_splits` contiguous chunks; each chunk is one call of the variant on a view of
   the cache (a contiguous cache) or on the chunk's pages gathered into one buffer (a paged cache: a
@@ -132,6 +135,9 @@ KERNEL_MAX_NQ = 16
 ROW_TILES = (4, 8, 16)            # ROWS of decode_splitkv: query rows (G * Nq, GQA packed) per block
 PIPES = (1, 0)                    # PIPE of decode_splitkv: 1 the cp.async ring (default), 0 the register path
 DEFAULT_PIPE = int(os.environ.get("SANDBOX_DECODE_PIPE", "1"))   # 0: fall back to the register path
+DEFAULT_FUSED = int(os.environ.get("SANDBOX_DECODE_FUSED", "1"))  # 0: split kernel + decode_merge (two launches)
+L2_POLICIES = ("first", "normal")  # the L2 eviction priority of the streamed K/V (kernel argument evict_first)
+DEFAULT_L2 = os.environ.get("SANDBOX_DECODE_L2", "first")
 WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
@@ -270,7 +276,8 @@ _PINNED_IN_FLIGHT: collections.deque = collections.deque()
 def _upload_ints(host: np.ndarray, xp):
     """int32 copy of host on the device, by an asynchronous copy from pinned memory on the current
     stream: no synchronisation, unlike a copy from pageable memory. The pinned buffer is held until
-    an event after the copy has completed (checked, never waited for)."""
+    an event after the copy has completed (checked, never waited for). One copy per call: callers
+    pack what the kernel reads (lengths and block table) into one array."""
     import cupyx
     while _PINNED_IN_FLIGHT and _PINNED_IN_FLIGHT[0][0].done:
         _PINNED_IN_FLIGHT.popleft()
@@ -286,13 +293,77 @@ def _upload_ints(host: np.ndarray, xp):
     return dev
 
 
-def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None, pipe=None):
+# The fused merge's arrival counters: one uint32 per (sequence, row tile) of a launch, zero between
+# launches (the last block of each tile resets its own), so no launch needs a memset. A buffer is
+# kept per (device, stream): launches on one stream run in order, so they never share a counter
+# while it counts; launches on two streams use two buffers. A stream being captured into a CUDA
+# graph gets a fresh zeroed buffer per call instead (the memset becomes part of the graph and the
+# graph's replays, wherever they run, share no counter with direct calls). A dropped buffer (grown,
+# or the least recently used of COUNTER_STREAMS streams) returns to the stream-ordered pool of the
+# stream it was allocated on (CuPy's pool, or torch's for torch callers), so no other stream reuses
+# it while a launch may still count in it.
+_COUNTERS: collections.OrderedDict = collections.OrderedDict()
+COUNTER_STREAMS = 64
+_CUDA_STREAM_PER_THREAD = 2           # cudaStreamPerThread: one handle, a different stream per host thread
+
+
+def _capturing(stream) -> bool:
+    if stream.ptr in (0, 1):          # the legacy stream cannot be captured
+        return False
+    try:
+        return bool(stream.is_capturing())
+    except Exception:                 # unknown: the always-correct fresh buffer
+        return True
+
+
+def _counters(xp, n: int):
+    """A device uint32 array of at least n zeros for one launch on the current stream."""
+    import threading
+    stream = xp.cuda.get_current_stream()
+    if _capturing(stream):
+        return xp.zeros(n, dtype=xp.uint32)
+    key = (xp.cuda.runtime.getDevice(), stream.ptr,
+           threading.get_ident() if stream.ptr == _CUDA_STREAM_PER_THREAD else None)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.size < n:
+        buf = _COUNTERS[key] = xp.zeros(max(n, 1024, 2 * (0 if buf is None else buf.size)), dtype=xp.uint32)
+    _COUNTERS.move_to_end(key)
+    while len(_COUNTERS) > COUNTER_STREAMS:
+        _COUNTERS.popitem(last=False)
+    return buf
+
+
+def _int_dummy(xp):
+    from .launch import _cached
+    return _cached(("decode-int-dummy",), lambda: xp.zeros(1, dtype=xp.int32), xp)
+
+
+def launch_plan(B: int, Hq: int, Hkv: int, Nq: int, d: int, dtype: str, max_len: int, num_splits=None, pipe=None):
+    """(compile unit, kernel name, splits S, keys per split) of the launch `splitkv` makes for a
+    problem: the split plan takes the compiled kernel's occupancy (a GPU is needed)."""
+    rows = (Hq // Hkv) * Nq
+    tile = row_tile(rows)
+    pipe = DEFAULT_PIPE if pipe is None else int(pipe)
+    unit = compile_unit(dtype, d)
+    name = kernel_name(dtype, d, tile, pipe)
+    S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits,
+                           resident_blocks(loader.get_kernel(unit, name)), pipe)
+    return unit, name, S, chunk
+
+
+def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None, pipe=None,
+            uniform_len=None, fused=None, l2=None):
     """The kernel on CuPy arrays, on CuPy's current stream: q (B, Hq, Nq, d); k, v the cache
     (contiguous (B, Hkv, Nmax, d) or pages (P, Hkv, page_size, d) with block_table, a device int32
-    (B, pages per sequence)); lens a device int32 (B,) of keys per sequence, max_len their maximum
-    (host); band as relative_band gives it. Returns (out like q's dtype, lse float32), both fresh
-    contiguous CuPy arrays. The caller has validated lengths and page indices. pipe: 1 the cp.async
-    ring, 0 the register path (None: DEFAULT_PIPE, the environment's SANDBOX_DECODE_PIPE or 1)."""
+    (B, pages per sequence)); lens a device int32 (B,) of keys per sequence (None with uniform_len),
+    max_len their maximum (host); uniform_len: None, or the one length of every sequence (the kernel
+    then reads no lens); band as relative_band gives it. Returns (out like q's dtype, lse float32),
+    both fresh contiguous CuPy arrays. The caller has validated lengths and page indices. pipe: 1 the
+    cp.async ring, 0 the register path (None: DEFAULT_PIPE, the environment's SANDBOX_DECODE_PIPE or
+    1). fused: 1 one launch (the last block of each sequence and row tile merges the splits; one split
+    writes out directly), 0 the split kernel and decode_merge (None: DEFAULT_FUSED,
+    SANDBOX_DECODE_FUSED or 1). l2: the L2 priority of the K/V stream, "first" (evict-first) or
+    "normal" (None: DEFAULT_L2, SANDBOX_DECODE_L2 or "first")."""
     import cupy as xp
     from .launch import f32, i32, i64, strides4
     B, Hq, Nq, d = q.shape
@@ -301,29 +372,41 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     rows = (Hq // Hkv) * Nq
     tile = row_tile(rows)
     pipe = DEFAULT_PIPE if pipe is None else int(pipe)
+    fused = DEFAULT_FUSED if fused is None else int(fused)
     if pipe not in PIPES:
         raise ValueError(f"pipe must be one of {PIPES}, got {pipe!r}")
-    unit = compile_unit(dtype, d)
-    name = kernel_name(dtype, d, tile, pipe)
-    S, chunk = plan_splits(B, Hkv, rows, d, max_len, device.sm_count(), num_splits,
-                           resident_blocks(loader.get_kernel(unit, name)), pipe)
+    if fused not in (0, 1):
+        raise ValueError(f"fused must be 0 or 1, got {fused!r}")
+    l2 = DEFAULT_L2 if l2 is None else l2
+    if l2 not in L2_POLICIES:
+        raise ValueError(f"l2 must be one of {L2_POLICIES}, got {l2!r}")
+    if lens is None and uniform_len is None:
+        raise ValueError("splitkv needs lens or uniform_len")
+    unit, name, S, chunk = launch_plan(B, Hq, Hkv, Nq, d, dtype, max_len, num_splits, pipe)
     paged = block_table is not None
+    ints = _int_dummy(xp) if lens is None else lens                        # never read with uniform_len
     if paged:
         page_size = k.shape[2]
         table, table_stride, num_pages, shift = block_table, block_table.shape[1], k.shape[0], page_size.bit_length() - 1
     else:
-        table, table_stride, num_pages, shift = lens, 0, 1, 0                # never read
-    o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
-    lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
+        table, table_stride, num_pages, shift = ints, 0, 1, 0                # never read
     grid = (S, Hkv * -(-rows // tile), B)
-    loader.launch(unit, name, grid, (WARPS * 32,),
-                  (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], lens, i32(paged), table,
-                   i64(table_stride), i32(num_pages), i32(shift), o_part, lse_part, i32(Hq), i32(Hkv), i32(Nq),
-                   i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1])))
     out = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=xp.float32)
-    loader.launch(unit, f"decode_merge<{KERNEL_CTYPE[dtype]}, {d}>", (B * Hq * Nq,), (WARPS * 32,),
-                  (o_part, lse_part, out, lse, i32(S)))
+    if fused and S == 1:                                                     # written directly: no partials
+        o_part, lse_part, counters = lse, lse, ints
+    else:
+        o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
+        lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
+        counters = _counters(xp, B * grid[1]) if fused else ints
+    loader.launch(unit, name, grid, (WARPS * 32,),
+                  (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], ints,
+                   i32(-1 if uniform_len is None else uniform_len), i32(paged), table, i64(table_stride),
+                   i32(num_pages), i32(shift), o_part, lse_part, counters, i32(fused), out, lse, i32(Hq), i32(Hkv),
+                   i32(Nq), i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1]), i32(l2 == "first")))
+    if not fused:
+        loader.launch(unit, f"decode_merge<{KERNEL_CTYPE[dtype]}, {d}>", (B * Hq * Nq,), (WARPS * 32,),
+                      (o_part, lse_part, out, lse, i32(S)))
     return out, lse
 
 
@@ -490,10 +573,26 @@ def _forward_kernel(q, k_cache, v_cache, lens, nnew, table, k_new, v_new, causal
                 _append(k_cache, k_new, b, int(lens[b]), pages, k_cache.shape[2] if paged else None)
                 _append(v_cache, v_new, b, int(lens[b]), pages, k_cache.shape[2] if paged else None)
         total = lens + nnew
-        lens_dev = _upload_ints(total, cp)
-        table_dev = _upload_ints(np.clip(table, -1, 2**31 - 1), cp) if paged else None   # padding entries unread
-        out, lse = splitkv(qb, kb, vb, lens_dev, int(total.max()), scale, band, table_dev, num_splits)
+        lens_dev, table_dev, uniform = _device_ints(total, table, lambda a: _upload_ints(a, cp))
+        out, lse = splitkv(qb, kb, vb, lens_dev, int(total.max()), scale, band, table_dev, num_splits,
+                           uniform_len=uniform)
         return arrays.like(out, kind), arrays.like(lse, kind)
+
+
+def _device_ints(total: np.ndarray, table, upload):
+    """(lens, block table, uniform length) for the kernel, with at most one upload (`upload`: host
+    int array -> device int32 copy) per call: equal lengths go by value (uniform_len, no lens array),
+    and a paged call's lengths and table share one pinned copy (table padding clipped into int32:
+    never read). Each copy is one more operation ahead of the kernel on the caller's stream."""
+    uniform = int(total[0]) if total.size and np.all(total == total[0]) else None
+    if table is None:
+        return (None if uniform is not None else upload(total)), None, uniform
+    t = np.clip(table, -1, 2**31 - 1)
+    if uniform is not None:
+        return None, upload(t), uniform
+    both = upload(np.concatenate([total, t.ravel()]))
+    B = total.size
+    return both[:B], both[B:].reshape(t.shape), None
 
 
 def _host_ints_2d(table, B: int) -> np.ndarray:

@@ -289,3 +289,124 @@ def test_oracle_verdicts_use_the_same_precision_naive():
         assert not bad[0].ok and bad[1].ok
     with pytest.raises(ValueError, match="naive"):
         tolerance.compare("out", ref_o, ref_o, "bfloat16")
+
+
+# ---- the one-launch kernel's host side: uploads, arrival counters, the transposed reduction's algebra
+
+def test_device_ints_make_at_most_one_upload():
+    """Equal lengths go by value (no lengths array); ragged lengths are one upload; a paged call's
+    lengths and block table share one upload (views of it), with padding clipped into int32."""
+    calls = []
+
+    def upload(a):
+        calls.append(np.array(a))
+        return np.asarray(a, np.int32).copy()
+    assert decode._device_ints(np.array([7, 7, 7]), None, upload) == (None, None, 7) and not calls
+    lens, table, uni = decode._device_ints(np.array([7, 0, 9]), None, upload)
+    assert uni is None and table is None and lens.tolist() == [7, 0, 9] and len(calls) == 1
+    calls.clear()
+    t = np.array([[3, 1, 2**40], [0, 2, -5]])
+    lens, table, uni = decode._device_ints(np.array([40, 90]), t, upload)
+    assert len(calls) == 1 and uni is None and lens.tolist() == [40, 90]
+    assert table.shape == (2, 3) and table.tolist() == [[3, 1, 2**31 - 1], [0, 2, -1]]
+    calls.clear()
+    lens, table, uni = decode._device_ints(np.array([64, 64]), t, upload)
+    assert lens is None and uni == 64 and len(calls) == 1 and table.shape == (2, 3)
+
+
+def _fake_cupy(streams):
+    """Enough of CuPy for decode._counters: the current stream (ptr, is_capturing), the device and
+    zeros (recorded)."""
+    from types import SimpleNamespace
+    made = []
+
+    def zeros(n, dtype):
+        made.append(n)
+        return np.zeros(n, dtype)
+    cuda = SimpleNamespace(get_current_stream=lambda: streams[0], runtime=SimpleNamespace(getDevice=lambda: 0))
+    return SimpleNamespace(uint32=np.uint32, zeros=zeros, cuda=cuda), made
+
+
+class _Stream:
+    def __init__(self, ptr, capturing=False):
+        self.ptr, self.capturing = ptr, capturing
+
+    def is_capturing(self):
+        if self.capturing is None:
+            raise RuntimeError("cannot tell")
+        return self.capturing
+
+
+def test_counters_per_stream_grown_and_fresh_under_capture(monkeypatch):
+    """One zeroed buffer per (device, stream), reused by later launches on that stream and grown when
+    a launch has more tiles; another stream gets its own; a capturing stream (or one whose state
+    cannot be read) gets a fresh zeroed buffer per call, kept nowhere; at most COUNTER_STREAMS kept."""
+    import collections
+    import threading
+    monkeypatch.setattr(decode, "_COUNTERS", collections.OrderedDict())
+    cur = [_Stream(1000)]
+    xp, made = _fake_cupy(cur)
+    a = decode._counters(xp, 10)
+    assert decode._counters(xp, 500) is a and a.size >= 1024 and made == [1024] and a.dtype == np.uint32
+    big = decode._counters(xp, 3000)
+    assert big is not a and big.size >= 3000 and decode._counters(xp, 3000) is big
+    cur[0] = _Stream(2000)
+    assert decode._counters(xp, 10) is not big
+    for state in (True, None):
+        cur[0] = _Stream(3000, capturing=state)
+        n = len(decode._COUNTERS)
+        assert decode._counters(xp, 10) is not decode._counters(xp, 10) and len(decode._COUNTERS) == n
+    cur[0] = _Stream(0, capturing=None)                 # the legacy stream: never queried, never capturing
+    assert decode._counters(xp, 10) is decode._counters(xp, 10)
+    cur[0] = _Stream(decode._CUDA_STREAM_PER_THREAD)     # one handle, a stream per host thread
+    mine, theirs = decode._counters(xp, 10), []
+    t = threading.Thread(target=lambda: theirs.append(decode._counters(xp, 10)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine and decode._counters(xp, 10) is mine
+    for ptr in range(decode.COUNTER_STREAMS + 5):
+        cur[0] = _Stream(10_000 + ptr)
+        decode._counters(xp, 4)
+    assert len(decode._COUNTERS) == decode.COUNTER_STREAMS
+
+
+def _transpose_reduce(v, nv, m, lane):
+    """NumPy model of decode_splitkv.cu's transpose_reduce over the lanes of one warp (v: list of
+    per-lane arrays of 32)."""
+    if m < 1:
+        return v
+    v = list(v)
+    if nv > 1:
+        up = (lane & m) != 0
+        for i in range(nv // 2):
+            send = np.where(up, v[i], v[i + nv // 2])
+            keep = np.where(up, v[i + nv // 2], v[i])
+            v[i] = keep + send[lane ^ m]
+        return _transpose_reduce(v, nv // 2, m // 2, lane)
+    v[0] = v[0] + v[0][lane ^ m]
+    return _transpose_reduce(v, 1, m // 2, lane)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [4, 8, 16])
+def test_transposed_reduction_gives_each_lane_its_rows(d, rows):
+    """The kernel's per-key dot products: ROWS partial sums per lane reduced over the d / 8 lanes of
+    a key with one shuffle per kept value per level; afterwards lane c of a key group holds the full
+    dot products of rows own_row(c, i), and the lane the kernel broadcasts row r's p from
+    (key group base + r * REPLICAS, or + r / NV, value r % NV) holds row r."""
+    lpk = d // 8
+    nv = rows // lpk if rows > lpk else 1
+    rep = lpk // rows if rows < lpk else 1
+    lane = np.arange(32)
+    rng = np.random.default_rng(rows * d)
+    part = rng.integers(-50, 50, size=(rows, 32)).astype(np.float64)       # exact sums
+    got = _transpose_reduce([part[r] for r in range(rows)], rows, lpk // 2, lane)
+    own = lambda c, i: c // rep if rows <= lpk else c * nv + i  # noqa: E731
+    for ln in range(32):
+        group = slice(ln - ln % lpk, ln - ln % lpk + lpk)
+        for i in range(nv):
+            assert got[i][ln] == part[own(ln % lpk, i), group].sum(), (ln, i)
+    for r in range(rows):
+        for kgb in range(0, 32, lpk):
+            src = kgb + (r * rep if rows <= lpk else r // nv)
+            assert own(src % lpk, 0 if rows <= lpk else r % nv) == r

@@ -4,7 +4,9 @@ every 16-bit variant (decode.oracle_verdicts, per sequence over its own keys):
 sandbox.decode's kernel path (contiguous and paged caches, GQA, Nq 1-16, page sizes 16-256, ragged
 cache lengths with empty sequences, appended keys, causal and windows, long caches), the registered
 variant through sandbox.forward, flash_attn_with_kvcache on torch tensors, results on a busy caller
-stream, and the refusals that only device arrays reach. Marked `gpu` (skipped without a GPU)."""
+stream, and the refusals that only device arrays reach; the one-launch form's arrival counters
+(back-to-back calls on one stream, two streams at once, a torch CUDA graph), and its agreement with
+the two-launch form and the load-path / L2 switches. Marked `gpu` (skipped without a GPU)."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -200,3 +202,143 @@ def test_device_refusals_leave_the_cache_untouched():
         pages = cp.zeros((4, 2, 24, 64), dtype=cp.float16)
         decode.forward(cp.asarray(q), pages, pages.copy(), [10], block_table=[[0, 1]], k_new=cp.asarray(k_new),
                        v_new=cp.asarray(v_new))
+
+
+# ---- the fused merge (one launch): arrival counters reused across calls, streams and graphs
+
+def _stream_counters(stream):
+    return [buf for (_, ptr, _), buf in decode._COUNTERS.items() if ptr == stream.ptr]
+
+
+def test_back_to_back_calls_reuse_the_counters():
+    """Calls queued back to back on one stream share its counter buffer: each launch's last blocks
+    leave it zeroed for the next (other inputs, split counts and tiles, a batch whose tiles outgrow the
+    buffer, a one-split call that writes out directly); every result matches the oracle and the
+    buffer is all zeros afterwards."""
+    import cupy as cp
+    cases = [((2, 8, 2, 1, 128, "float16", [5000, 300], 0, False, 64, False, None, 20 + i), None) for i in range(3)]
+    cases += [((4, 16, 4, 2, 64, "bfloat16", [900, 0, 4100, 2500], 1, True, 32, True, None, 23), None),
+              ((40, 32, 32, 1, 64, "float16", [200] * 40, 0, False, 64, False, None, 24), 3),   # 1280 counters
+              ((2, 8, 2, 1, 128, "float16", [5000, 300], 0, False, 64, False, None, 25), None),
+              ((2, 8, 2, 1, 128, "float16", [5000, 300], 0, False, 64, False, None, 26), 1)]     # direct, no counters
+    made = [_make(*c[:10], c[12]) for c, _ in cases]
+    dev = lambda x: None if x is None else cp.asarray(x)  # noqa: E731
+    inputs = [tuple(dev(x) for x in m[:5]) for m in made]
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    results = []
+    with s:
+        for (c, splits), (q, k_new, v_new, kc, vc), m in zip(cases, inputs, made):
+            results.append(decode.forward(q, kc, vc, c[6], block_table=m[5], k_new=k_new, v_new=v_new, causal=c[10],
+                                          window=c[11], num_splits=splits))
+    s.synchronize()
+    for (c, _), m, (out, lse) in zip(cases, made, results):
+        _check(out.get(), lse.get(), m[0], m[6], m[7], c[6], c[7], c[5], c[10], c[11])
+    bufs = _stream_counters(s)
+    assert len(bufs) == 1 and bufs[0].size >= 40 * 32, "one buffer per stream, grown to the largest launch"
+    assert not bool(bufs[0].any()), "the stream's counters must be zero between launches"
+
+
+def test_calls_on_two_streams_use_two_counter_buffers():
+    """Two non-blocking streams with decode calls in flight at once (queued behind busy work, issued
+    alternately, inputs already on the device): each stream counts in its own buffer, every result is
+    right and both buffers are zero afterwards."""
+    import cupy as cp
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    calls = []
+    for rep in range(3):
+        for i in range(2):
+            case = (3, 8, 2, 1, 128, "float16", [4000 + 700 * i, 3000, 17 * rep], 0, bool(i), 64, True, None,
+                    40 + 10 * i + rep)
+            m = _make(*case[:10], case[12])
+            calls.append((i, case, m, tuple(cp.asarray(x) for x in (m[0], m[3], m[4]))))
+    for i in range(2):                                  # warm-up: compiled and planned before the timing matters
+        decode.forward(*calls[i][3], calls[i][1][6], block_table=calls[i][2][5], causal=True)
+    cp.cuda.Device().synchronize()
+    for s in streams:
+        with s:
+            big = cp.random.standard_normal((4096, 4096), dtype=cp.float32)
+            for _ in range(20):
+                big = big @ big / 64.0                  # tens of ms queued: the calls below overlap in time
+    outs = []
+    for i, case, m, (q, kc, vc) in calls:
+        with streams[i]:
+            outs.append(decode.forward(q, kc, vc, case[6], block_table=m[5], causal=True))
+    busy = [not s.done for s in streams]
+    for s in streams:
+        s.synchronize()
+    for (i, case, m, _), (out, lse) in zip(calls, outs):
+        _check(out.get(), lse.get(), m[0], m[6], m[7], case[6], 0, "float16", True, None)
+    bufs = [_stream_counters(s) for s in streams]
+    assert all(len(b) == 1 for b in bufs) and bufs[0][0].data.ptr != bufs[1][0].data.ptr
+    assert not any(bool(b[0].any()) for b in bufs)
+    assert all(busy), "the calls waited for the GPU (a synchronisation inside the call)"
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_fused_and_two_launch_merges_agree(paged):
+    """The one-launch path (last block merges) and the two-launch path (decode_merge) on the same
+    problem: both match the oracle, and each other to a few float32 ulps of the output."""
+    import cupy as cp
+    from sandbox import arrays
+    q, _, _, kc, vc, table, full_k, full_v = _make(2, 16, 4, 3, 128, "bfloat16", [20000, 777], 0, paged, 128, 30)
+    lens = [20000, 777]
+    qd, kd, vd = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    res = []
+    for fused in (1, 0):
+        lens_dev, table_dev, uni = decode._device_ints(np.array(lens), table, lambda a: cp.asarray(a.astype(np.int32)))
+        with arrays.caller_stream(qd):
+            out, lse = decode.splitkv(qd, kd, vd, lens_dev, max(lens), 1 / np.sqrt(128), decode.relative_band(True, None),
+                                      table_dev, uniform_len=uni, fused=fused)
+        _check(out.get(), lse.get(), q, full_k, full_v, lens, 0, "bfloat16", True, None)
+        res.append((out.get().astype(np.float32), lse.get()))
+    np.testing.assert_allclose(res[0][1], res[1][1], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(res[0][0], res[1][0], rtol=0, atol=2 * 2.0**-8 * np.abs(res[1][0]).max())
+
+
+@pytest.mark.parametrize("hq,nq", [(8, 1), (8, 2)], ids=["rows4", "rows8"])
+def test_register_path_and_normal_l2_priority(hq, nq):
+    """The switches the bench compares (SANDBOX_DECODE_PIPE=0: the register load path;
+    SANDBOX_DECODE_L2=normal: no evict-first hint) on the one-launch form, paged and ragged."""
+    import cupy as cp
+    from sandbox import arrays
+    lens = [6000, 1, 2500]
+    q, _, _, kc, vc, table, full_k, full_v = _make(3, hq, 2, nq, 128, "float16", lens, 0, True, 64, 60 + hq)
+    qd, kd, vd = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    for pipe, l2 in ((0, "normal"), (0, "first"), (1, "normal")):
+        lens_dev, table_dev, uni = decode._device_ints(np.array(lens), table, lambda a: cp.asarray(a.astype(np.int32)))
+        with arrays.caller_stream(qd):
+            out, lse = decode.splitkv(qd, kd, vd, lens_dev, max(lens), 1 / np.sqrt(128), decode.relative_band(True, None),
+                                      table_dev, pipe=pipe, uniform_len=uni, l2=l2)
+        _check(out.get(), lse.get(), q, full_k, full_v, lens, 0, "float16", True, None)
+
+
+def test_torch_cuda_graph_capture_with_many_splits():
+    """A decoding step with enough keys for many splits (so the fused merge counts) captured into a
+    torch CUDA graph and replayed twice with new inputs: the capture takes its own zeroed counters."""
+    torch = pytest.importorskip("torch")
+    import sandbox
+    rng = np.random.default_rng(50)
+    B, Hq, Hkv, N, d = 2, 8, 2, 9000, 128
+    mk = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
+    static = [torch.from_numpy(x).cuda() for x in (mk(B, Hq, 1, d), mk(B, Hkv, N, d), mk(B, Hkv, N, d))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            sandbox.forward(*static, variant="decode-splitkv", causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res = sandbox.forward(*static, variant="decode-splitkv", causal=True)
+    for rep in range(2):
+        new = (mk(B, Hq, 1, d), mk(B, Hkv, N, d), mk(B, Hkv, N, d))
+        for s_, x in zip(static, new):
+            s_.copy_(torch.from_numpy(x).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        got_o, got_l = res.out.float().cpu().numpy(), res.lse.cpu().numpy()
+        for b in range(B):
+            for v_ in decode.oracle_verdicts(got_o[b:b + 1], got_l[b:b + 1], new[0][b:b + 1], new[1][b:b + 1],
+                                             new[2][b:b + 1], "float16", True):
+                assert v_.ok, (rep, b, v_)
