@@ -28,6 +28,9 @@ Which members the sandbox uses, and where:
     backward(problem, dout, q, k, v,     if caps.backward api.backward
              out, lse, config[, saved=])
     check(problem, config, direction)    no              registry.BoundVariant.check
+    config_caps(config, caps) -> caps    no              registry.BoundVariant.caps (the fuzzer draws
+                                                         within them): a config that refuses part of
+                                                         caps (e.g. a backward kernel without modifiers)
     compile_units(config)                backend "cuda"  compile_report (GPU-less NVRTC build)
     report_configs()                     no              compile_report (default: [{}])
     tuned(config, unit=None)             no              compile_report (default: every config)
@@ -140,8 +143,8 @@ class PlannedImpl(VariantImpl, Protocol):
 # "optional" (absent, None or callable)
 REQUIRED = {"configure": "always", "to_backend": "always", "forward": "always", "backward": "backward",
             "compile_units": "cuda"}
-OPTIONAL = ("check", "report_configs", "tuned", "forward_plan", "backward_plan")
-_ARITY = {"configure": 0, "to_backend": 1, "forward": 5, "backward": 8, "check": 3, "compile_units": 1,
+OPTIONAL = ("check", "config_caps", "report_configs", "tuned", "forward_plan", "backward_plan")
+_ARITY = {"configure": 0, "to_backend": 1, "forward": 5, "backward": 8, "check": 3, "config_caps": 2, "compile_units": 1,
           "report_configs": 0, "tuned": 2, "forward_plan": 3, "backward_plan": 3}
 
 

@@ -108,7 +108,7 @@ def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods
     given: one of them in every case (the caller asks for its modifier to be tested)."""
     from hypothesis import strategies as st
 
-    caps = bound.variant.caps
+    caps = bound.caps                  # as the config has them (registry.BoundVariant.caps)
     dims = [d for d in limits.dims if d in caps.head_dims] or [caps.head_dims[0]]
     # 16-bit inputs: keep fp16 scores finite; fp32 gets genuinely large logits.
     big = 30.0 if dtype == "float32" else 4.0

@@ -155,6 +155,13 @@ class BoundVariant:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"{self.variant.name}({args})"
 
+    @property
+    def caps(self) -> "Capabilities":
+        """The variant's capabilities as this config has them: `impl.config_caps(config, caps)` where the
+        impl narrows them per config (e.g. a backward kernel that takes no modifiers), else caps."""
+        narrow = getattr(self.variant.impl, "config_caps", None)
+        return narrow(self.config, self.variant.caps) if narrow is not None else self.variant.caps
+
     def replay_params(self) -> dict:
         """The parameters that decide the dropout stream, with their values."""
         return {p.name: self.params[p.name] for p in self.variant.params if p.replay}

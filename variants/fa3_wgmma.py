@@ -27,6 +27,7 @@ Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from sandbox import arrays, modifiers
@@ -226,6 +227,12 @@ class FA3Wgmma(FA2TensorCore):
             units += [fa3_backward.kernel_unit(config.bwd_kernel, dt, D, config.philox_rounds)
                       for dt in CAPS.dtypes for D in (64, 128)]
         return units
+
+    def config_caps(self, config, caps):
+        """A wgmma backward kernel (fa3_bwd.cu, fa3_bwd2.cu) takes no modifiers: such a config lists none."""
+        if config.bwd_kernel in fa3_backward.KERNELS:
+            return dataclasses.replace(caps, score_mod=False, mask_mod=False)
+        return caps
 
     def backward(self, p, dout, q, k, v, out, lse, config):
         self._refuse_wide_backward(p)
