@@ -7,9 +7,10 @@ everything else is fa2-tc's forward (cp.async copies one tile ahead, online soft
 masks, dropout, epilogue: kernels_cu/tc_softmax.cuh). The rung below is fa2-tc (mma.sync); TMA, warp
 specialization and ping-pong scheduling are the rungs above.
 Forward parameters: Bc (`block_c`), warpgroups per block (`warpgroups`, Br = 64 x warpgroups),
-`philox_rounds`. The backward (`bwd_kernel`): fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync) with its
-defaults, or the wgmma one (variants/fa3_backward.py); either reads only q, k, v, out and lse, which
-this forward writes in the same layout.
+`philox_rounds`. The backward (`bwd_kernel`): "auto" (the default) runs the wgmma backward rung 2
+(kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py) for d <= 128 without modifiers and fa2-tc's
+(kernels_cu/fa2_tc_bwd.cu, mma.sync, modifiers compiled in) otherwise; "mma", "wgmma", "wgmma2" pick
+one. Each reads only q, k, v, out and lse, which this forward writes in the same layout.
 Features: fa2-tc's (causal with tile skipping, window, block-sparse, GQA/MQA, dropout bit-exact with
 the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and bf16, d a multiple of
 8 up to 256: kernels for D = 64, 128, 192 and 256, d zero-padded to the next (`d_pad`: d = 96 runs the
@@ -20,7 +21,7 @@ a backward at d > 128 with a ValueError naming the head dim; the forward runs th
 Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
 (kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
 the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
-fa2-tc's with the same modifiers (bwd_kernel="mma"; "wgmma" is refused), so it stops at d = 128 too.
+fa2-tc's with the same modifiers ("auto" and "mma"; "wgmma" / "wgmma2" refuse them).
 Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
 other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
@@ -80,12 +81,23 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 
 # ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
 
-_WGMMA_BWD_MODS = ("score / mask modifiers need the backward of fa2-tc (bwd_kernel=\"mma\", the default); "
+_WGMMA_BWD_MODS = ("score / mask modifiers need the backward of fa2-tc (bwd_kernel=\"mma\", or \"auto\", the default); "
                    "kernels_cu/fa3_bwd.cu (bwd_kernel=\"wgmma\") and fa3_bwd2.cu (\"wgmma2\") have none")
 
 
 def has_mods(p) -> bool:
     return p.score_mod is not None or p.mask_mod is not None
+
+
+AUTO_BWD = "wgmma2"       # what bwd_kernel="auto" runs where it can (2x "mma" on the H100: bench/results/h100/)
+
+
+def resolve_bwd_kernel(bwd_kernel: str, p) -> str:
+    """The backward kernel a config runs for problem p: "auto" is AUTO_BWD for d <= 128 without modifiers
+    (the wgmma backwards have none, and hold dK / dV for D <= 128), else fa2-tc's ("mma")."""
+    if bwd_kernel != "auto":
+        return bwd_kernel
+    return AUTO_BWD if p.d <= 128 and not has_mods(p) else "mma"
 
 
 def modifier_errors(p, config, direction) -> list[str]:
@@ -102,7 +114,7 @@ def modifier_errors(p, config, direction) -> list[str]:
         errs.append(f"a score modifier sees positions as floats fi, fj (kernels_cu/tc_mods.cuh), exact up to "
                     f"{MAX_FLOAT_POSITION}; Nq = {p.Nq}, Nk = {p.Nk}")
     if direction in ("backward", "both") and config.bwd_kernel in fa3_backward.KERNELS:
-        errs.append(_WGMMA_BWD_MODS)
+        errs.append(_WGMMA_BWD_MODS)          # "auto" takes fa2-tc's backward for a problem with modifiers
     return errs
 
 
@@ -126,7 +138,8 @@ class WgmmaConfig:
     warpgroups: int = 2
     philox_rounds: int = 10
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
-    bwd_kernel: str = "mma"                              # "mma": fa2-tc's; "wgmma": fa3_bwd.cu; "wgmma2": fa3_bwd2.cu
+    bwd_kernel: str = "auto"                             # "mma": fa2-tc's; "wgmma": fa3_bwd.cu; "wgmma2": fa3_bwd2.cu;
+                                                         # "auto": resolve_bwd_kernel
 
     # what FA2TensorCore's launch path reads of a forward config
     @property
@@ -180,7 +193,7 @@ class FA3Wgmma(FA2TensorCore):
     # reports) but are left to compile on first use: each Hopper kernel costs seconds of NVRTC.
     TUNED = {("auto", 2)}
 
-    def configure(self, block_c="auto", warpgroups=2, philox_rounds=10, bwd_kernel="mma"):
+    def configure(self, block_c="auto", warpgroups=2, philox_rounds=10, bwd_kernel="auto"):
         return WgmmaConfig(block_c, warpgroups, philox_rounds, TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
     def check(self, problem, config, direction):
@@ -223,8 +236,9 @@ class FA3Wgmma(FA2TensorCore):
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)
                       if not config.bwd.backward_errors(D)]
-        if config.bwd_kernel in fa3_backward.KERNELS:
-            units += [fa3_backward.kernel_unit(config.bwd_kernel, dt, D, config.philox_rounds)
+        kernel = AUTO_BWD if config.bwd_kernel == "auto" else config.bwd_kernel
+        if kernel in fa3_backward.KERNELS:
+            units += [fa3_backward.kernel_unit(kernel, dt, D, config.philox_rounds)
                       for dt in CAPS.dtypes for D in (64, 128)]
         return units
 
@@ -236,10 +250,11 @@ class FA3Wgmma(FA2TensorCore):
 
     def backward(self, p, dout, q, k, v, out, lse, config):
         self._refuse_wide_backward(p)
-        if config.bwd_kernel in fa3_backward.KERNELS and has_mods(p):
+        kernel = resolve_bwd_kernel(config.bwd_kernel, p)
+        if kernel in fa3_backward.KERNELS and has_mods(p):
             raise ValueError(f"variant {self.name!r}: " + _WGMMA_BWD_MODS)
-        if config.bwd_kernel in fa3_backward.KERNELS:
-            return fa3_backward.dispatch_backward(config.bwd_kernel, self.name, p, dout, q, k, v, out, lse, config.bwd)
+        if kernel in fa3_backward.KERNELS:
+            return fa3_backward.dispatch_backward(kernel, self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
 
     def _refuse_wide_backward(self, p):
@@ -303,15 +318,17 @@ class FA3Wgmma(FA2TensorCore):
         self._refuse_wide_backward(p)
         if has_mods(p):          # the generic path: fa2-tc's backward with the modifiers compiled in
             return None
-        if config.bwd_kernel in fa3_backward.KERNELS:
-            return fa3_backward.dispatch_plan(config.bwd_kernel, self.name, p, config.bwd, strides)
+        kernel = resolve_bwd_kernel(config.bwd_kernel, p)
+        if kernel in fa3_backward.KERNELS:
+            return fa3_backward.dispatch_plan(kernel, self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)
 
 
-BWD_KERNEL = Param("bwd_kernel", ("mma", "wgmma", "wgmma2"), "mma", "backward kernels: mma, fa2-tc's (mma.sync, the "
-                   "default until a wgmma one has the tier's GPU evidence); wgmma, kernels_cu/fa3_bwd.cu (five wgmma "
-                   "GEMMs, 128 keys per block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per "
-                   "tile by bulk reductions, the GEMMs overlapped with the element-wise steps)")
+BWD_KERNEL = Param("bwd_kernel", ("auto", "mma", "wgmma", "wgmma2"), "auto", "backward kernels: mma, fa2-tc's "
+                   "(mma.sync; modifiers compiled in); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, 128 keys per "
+                   "block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per tile by bulk reductions, "
+                   "the GEMMs overlapped with the element-wise steps; 2x mma on the H100); auto: wgmma2 for d <= 128 "
+                   "without modifiers, else mma")
 # head dims: the forward's (multiples of 8 up to 256); the backward's stop at 128 (check() refuses past it:
 # the registry has one head-dim list for both directions)
 # score_mod / mask_mod: compiled into the forward (tc_mods.cuh), the backward fa2-tc's with the same modifiers

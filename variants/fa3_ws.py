@@ -49,7 +49,7 @@ class WsConfig:
     philox_rounds: int = 10
     pingpong: bool = False
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
-    bwd_kernel: str = "mma"                              # "mma": fa2-tc's; "wgmma": fa3_bwd.cu; "wgmma2": fa3_bwd2.cu
+    bwd_kernel: str = "auto"                             # fa3_wgmma.BWD_KERNEL: auto, mma, wgmma, wgmma2
 
     @property
     def block_r(self) -> int:
@@ -112,7 +112,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="mma"):
+    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto"):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel)
 
@@ -211,5 +211,5 @@ register(Variant(
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
-                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "wgmma2"}),
+                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
