@@ -160,11 +160,16 @@ def speed_table(name, quick=False):
                     out = st.attention(qg, kg, vg, variant=name, causal=causal)
                     torch.autograd.grad(out, (qg, kg, vg), dout)
 
-                def sdpa_both():
-                    out = _sdpa("flash")(qg, kg, vg, causal)
+                def sdpa_both(be):
+                    out = _sdpa(be)(qg, kg, vg, causal)
                     torch.autograd.grad(out, (qg, kg, vg), dout)
                 row["ours torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(ours_both, calls=10, reps=3))
-                row["sdpa-flash torch both TFLOP/s"] = tflops(3.5 * flops, loop_ms(sdpa_both, calls=10, reps=3))
+                for be in ("flash", "cudnn"):
+                    try:
+                        row[f"sdpa-{be} torch both TFLOP/s"] = tflops(
+                            3.5 * flops, loop_ms(lambda: sdpa_both(be), calls=10, reps=3))
+                    except RuntimeError as e:          # a backend that refuses the shape
+                        print(f"  sdpa {be} backward skipped: {e}", file=sys.stderr)
                 rows.append(row)
                 print(f"  speed {name} d={d} causal={causal} N={N}: " + ", ".join(
                     f"{k_}={v_:.0f}" for k_, v_ in row.items() if "TFLOP" in k_), file=sys.stderr, flush=True)
@@ -185,22 +190,27 @@ def markdown(host, speed) -> str:
                      f"{o / s:.2f} | {r['sdpa_flash_train_us']:.1f} | {r['sandbox_torch_train_us']:.1f} | "
                      f"{r['sandbox_torch_train_us'] / r['sdpa_flash_train_us']:.2f} |")
     lines += ["", "## Speed: kernel only and from torch (FA2 grid, fp16, B N = 16k, hidden 2048)", "",
-              "| variant | d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | from torch TFLOP/s | "
-              "x SDPA flash (torch) | x SDPA cuDNN (torch) | fwd+bwd from torch | x SDPA flash |", "|" + "---|" * 11]
+              "| variant | d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | x SDPA cuDNN (kernel) | "
+              "from torch TFLOP/s | x SDPA flash (torch) | x SDPA cuDNN (torch) | fwd+bwd from torch | "
+              "x SDPA flash | x SDPA cuDNN |", "|" + "---|" * 13]
     for r in speed:
         def ratio(a, b):
             return f"{r[a] / r[b]:.2f}" if a in r and b in r else "-"
         lines.append(f"| {r.get('variant', '-')} | {r['d']} | {r['causal']} | {r['N']} | {r['ours kernel TFLOP/s']:.0f} | "
-                     f"{ratio('ours kernel TFLOP/s', 'sdpa-flash kernel TFLOP/s')} | {r['ours torch TFLOP/s']:.0f} | "
+                     f"{ratio('ours kernel TFLOP/s', 'sdpa-flash kernel TFLOP/s')} | "
+                     f"{ratio('ours kernel TFLOP/s', 'sdpa-cudnn kernel TFLOP/s')} | {r['ours torch TFLOP/s']:.0f} | "
                      f"{ratio('ours torch TFLOP/s', 'sdpa-flash torch TFLOP/s')} | "
                      f"{ratio('ours torch TFLOP/s', 'sdpa-cudnn torch TFLOP/s')} | "
-                     f"{r['ours torch both TFLOP/s']:.0f} | {ratio('ours torch both TFLOP/s', 'sdpa-flash torch both TFLOP/s')} |")
+                     f"{r['ours torch both TFLOP/s']:.0f} | {ratio('ours torch both TFLOP/s', 'sdpa-flash torch both TFLOP/s')} | "
+                     f"{ratio('ours torch both TFLOP/s', 'sdpa-cudnn torch both TFLOP/s')} |")
     return "\n".join(lines) + "\n"
 
 
 def add_arguments(ap):
     ap.add_argument("--quick", action="store_true", help="two host shapes and one grid size")
     ap.add_argument("--skip-speed", action="store_true", help="only the host-time table")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated registered names; default: the flagship CUDA variants (python -m bench plan host)")
 
 
 def sandbox_variant(name):
@@ -216,7 +226,7 @@ def main(args, out: Path):
     if not torch.cuda.is_available():
         raise UsageError("the host family needs a CUDA GPU visible to PyTorch")
     host, speed = [], []
-    for name in series():
+    for name in (args.variants.split(",") if getattr(args, "variants", None) else series()):
         bound = sandbox_variant(name)
         ok, verdict = oracle_check(bound, "float16", 64, "backward" if bound.variant.caps.backward else "forward")
         if not ok:           # a variant that fails its check is not timed

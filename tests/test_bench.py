@@ -215,3 +215,17 @@ def test_csv_of_parses_and_names_the_bad_entry():
     assert common.csv_of(("q", "k"))("k,q") == ("k", "q")
     with pytest.raises(argparse.ArgumentTypeError, match="'1.5' is outside"):
         common.csv_of(kind=float, low=0.0, high=1.0)("0.2,1.5")
+
+
+def test_host_speed_table_reports_cudnn_ratios_for_fwd_and_fwd_bwd():
+    """bench host's speed table: kernel-only, from-torch and fwd+bwd ratios to SDPA cuDNN beside flash
+    (issue 17 asks for both ratios as a PyTorch user calls the kernels); a missing backend is '-'."""
+    from bench import host_cost
+    row = {"variant": "fa3", "d": 128, "causal": False, "N": 4096, "ours kernel TFLOP/s": 600.0,
+           "sdpa-flash kernel TFLOP/s": 300.0, "sdpa-cudnn kernel TFLOP/s": 500.0, "ours torch TFLOP/s": 580.0,
+           "sdpa-flash torch TFLOP/s": 290.0, "sdpa-cudnn torch TFLOP/s": 580.0, "ours torch both TFLOP/s": 450.0,
+           "sdpa-flash torch both TFLOP/s": 300.0, "sdpa-cudnn torch both TFLOP/s": 500.0}
+    line = host_cost.markdown([], [row]).splitlines()[-1]
+    assert line == "| fa3 | 128 | False | 4096 | 600 | 2.00 | 1.20 | 580 | 2.00 | 1.00 | 450 | 1.50 | 0.90 |"
+    del row["sdpa-cudnn torch both TFLOP/s"]
+    assert host_cost.markdown([], [row]).splitlines()[-1].endswith("| 450 | 1.50 | - |")
