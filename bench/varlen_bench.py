@@ -173,7 +173,8 @@ def _check(name, method, causal):
         args = [x[a:b].transpose(1, 0, 2)[None] for x in (qn, kn, vn)]
         ref, _ = oracle.forward(*args, causal=causal)
         naive, _ = oracle.forward(*args, precision=DTYPE, causal=causal)
-        verdicts.append(tolerance.compare("out", out[a:b].transpose(1, 0, 2)[None], ref, DTYPE, naive, name))
+        verdicts.append(tolerance.compare(f"{name} {method} out[{s}]", out[a:b].transpose(1, 0, 2)[None], ref,
+                                            DTYPE, naive, role="out"))
     v = worst(verdicts)
     return v.ok, v
 
