@@ -11,6 +11,9 @@ occupancy axis), `split` ("q": warps own rows, "k": warps own keys and reduce th
 (`fa2-tc`), or a dK/dV column kernel plus a row-parallel dQ kernel with a fixed summation order
 (`fa2-tc-deterministic`); `bwd_block_r`, `bwd_block_c` and `bwd_min_blocks` pick its tile and occupancy,
 `bwd_pre` its preprocessing D = rowsum(dO o O) (one kernel, or the CuPy expression: the rung below).
+The backward also serves the Hopper rungs' forwards (fa3_wgmma.py, fa3_ws.py) up to d = 256: D = 192 and 256
+(`bwd_d_pad`) run fa2_tc_bwd_wide (two warps per 16-key strip, each with dK / dV for half the head dim; one
+tile, Br = Bc = 64, 8 warps; atomic dQ only).
 Features: causal (tiles above the diagonal never loaded), window, block-sparse (host tile table),
 GQA/MQA, any Nq and Nk, dead rows, dropout bit-exact with the RNG contract, negative and zero scale.
 Envelope: head dim a multiple of 8 up to 128 (zero-filled to 64 or 128), 16-byte aligned rows
@@ -45,6 +48,16 @@ MAX_FLOAT_POSITION = 2 ** 24     # i, j as floats (a score modifier's fi, fj) ar
 
 def d_pad(d: int) -> int:
     return 64 if d <= 64 else 128
+
+
+BWD_HEAD_DIMS = (64, 128, 192, 256)     # the backward's padded head dims (fa2_tc_bwd: 64, 128; fa2_tc_bwd_wide: 192, 256)
+
+
+def bwd_d_pad(d: int) -> int:
+    """The backward kernel's head dim D of a head dim d: the next of BWD_HEAD_DIMS (d = 96 runs D = 128, d = 136
+    D = 192, d = 200 D = 256; the forward of fa2-tc stops at 128, the fa3 rungs' forwards pad the same way).
+    Past 256: 256 + 64, which no kernel holds (backward_errors refuses it by name)."""
+    return next((D for D in BWD_HEAD_DIMS if d <= D), BWD_HEAD_DIMS[-1] + 64)
 
 
 def scale_log2(scale: float) -> float:
@@ -135,8 +148,17 @@ class TCConfig:
     # the deterministic dQ kernel: Br, Bc, warps
     DQ_BR, DQ_BC, DQ_WARPS = 64, 64, 4
 
+    # The wide head dims (D = 192, 256; kernels_cu/fa2_tc_bwd.cu fa2_tc_bwd_wide, the header says why): one tile,
+    # Br = Bc = 64 with 8 warps (4 key strips x 2 halves of the head dim), as FA2's own d = 256 backward. Shared
+    # memory (K, V, 2x (Q, dO), P^T, dS^T, 2x (lse, D)): 164,864 B at D = 192 (fits sm_80's 166,912), 214,016 B at
+    # D = 256 (sm_90 only). No deterministic form: no forward that fa2-tc-deterministic runs reaches d > 128.
+    BWD_WIDE = (64, 64, 8)       # Br, Bc, warps
+    BWD_WIDE_MAX_D = 256
+
     def bwd_tile(self, D: int) -> tuple[int, int]:
         """(Br, Bc) of the column kernel at head dim D (padded)."""
+        if D > 128:
+            return self.BWD_WIDE[:2]
         if self.bwd_block_r == "auto":
             br, bc = self.BWD_AUTO[(D, self.deterministic)]
             return br, bc if self.bwd_block_c == "auto" else self.bwd_block_c
@@ -144,17 +166,26 @@ class TCConfig:
         return self.bwd_block_r, bc
 
     def bwd_geometry(self, D: int) -> tuple[int, int, int, int]:
+        """(Br, Bc, warps, MK) of the column kernel; at D > 128 the wide kernel's (MK: 1 strip of 16 keys)."""
         br, bc = self.bwd_tile(D)
+        if D > 128:
+            return (br, bc, self.BWD_WIDE[2], 1)
         return (br, bc, *self.BWD_GEOMETRY[(br, bc)])
 
     def bwd_blocks_per_sm(self, D: int) -> int:
+        if D > 128:
+            return 1
         if self.bwd_min_blocks != "auto":
             return self.bwd_min_blocks
         return self.BWD_AUTO_MIN_BLOCKS.get((D, *self.bwd_tile(D)), 1)
 
     def backward_errors(self, D: int) -> list[str]:
+        """Why this config has no backward at padded head dim D (bwd_d_pad); [] where it has one. Independent of
+        the GPU (the shared memory against sm_90's limit; backward_device_errors checks the current GPU's)."""
         if self.bwd_pre not in ("kernel", "cupy"):
             return [f"bwd_pre={self.bwd_pre!r}: 'kernel' or 'cupy'"]
+        if D > 128:
+            return self._wide_backward_errors(D)
         if self.bwd_tile(D) not in self.BWD_GEOMETRY:
             return [f"bwd_block_r={self.bwd_block_r!r}, bwd_block_c={self.bwd_block_c!r}: (Br, Bc) one of "
                     f"{sorted(self.BWD_GEOMETRY)}"]
@@ -166,8 +197,40 @@ class TCConfig:
             return [f"bwd_block_r={br} runs {warps} warps, too few to copy rows of d = {D} in steps of 8"]
         return []
 
+    def _wide_backward_errors(self, D: int) -> list[str]:
+        if D > self.BWD_WIDE_MAX_D:
+            return [f"backward at head dim D = {D}: the backward kernels stop at d = {self.BWD_WIDE_MAX_D}"]
+        errs = []
+        br, bc, _ = self.BWD_WIDE
+        if self.bwd_block_r not in ("auto", br) or self.bwd_block_c not in ("auto", bc):
+            errs.append(f"bwd_block_r={self.bwd_block_r!r}, bwd_block_c={self.bwd_block_c!r}: the backward at "
+                        f"d > 128 (fa2_tc_bwd_wide, D = {D}) runs Br = {br}, Bc = {bc} only (\"auto\")")
+        if self.bwd_min_blocks not in ("auto", 1):
+            errs.append(f"bwd_min_blocks={self.bwd_min_blocks!r}: the backward at d > 128 (D = {D}) runs one block "
+                        "per SM (its shared memory); \"auto\" or 1")
+        if self.deterministic:
+            errs.append(f"the deterministic backward stops at d = 128 (D = {D} has the atomic dQ kernel only)")
+        if self.backward_smem(D) > SMEM_LIMIT:
+            errs.append(f"backward shared memory {self.backward_smem(D)} B at D = {D} exceeds {SMEM_LIMIT} B")
+        return errs
+
+    def backward_device_errors(self, D: int) -> list[str]:
+        """The backward's shared memory against the current GPU's per-block opt-in limit (sm_90's without a GPU):
+        at D = 256 the wide kernel needs 214,016 B, which sm_80 (166,912 B) lacks; refused by name before launch."""
+        from sandbox.device import arch, smem_per_block_optin
+        need, limit = self.backward_smem(D), smem_per_block_optin()
+        if need <= limit:
+            return []
+        return [f"the backward at head dim D = {D} needs {need} B of shared memory per block; this GPU "
+                f"({arch() or 'unknown'}) allows {limit} B (an H100 / H200, sm_90, allows {SMEM_LIMIT} B)"]
+
     def backward_name(self, dtype: str, D: int, dropout: bool) -> str:
-        """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`."""
+        """The column-parallel dK / dV kernel; it also adds dQ by atomics unless `deterministic`. At D > 128 the
+        wide kernel (atomic dQ always)."""
+        if D > 128:
+            br, bc, warps = self.BWD_WIDE
+            return (f"fa2_tc_bwd_wide<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {self.philox_rounds}, "
+                    f"{'true' if dropout else 'false'}>")
         br, bc, warps, mk = self.bwd_geometry(D)
         return (f"fa2_tc_bwd<{CTYPE[dtype]}, {D}, {br}, {bc}, {warps}, {mk}, {self.bwd_blocks_per_sm(D)}, "
                 f"{self.philox_rounds}, {'true' if dropout else 'false'}, {'false' if self.deterministic else 'true'}>")
@@ -183,6 +246,8 @@ class TCConfig:
 
     def backward_smem(self, D: int) -> int:
         br, bc, _, _ = self.bwd_geometry(D)
+        if D > 128:      # K, V, 2x (Q, dO), P^T and dS^T; 2x (lse, D)
+            return ITEMSIZE * (2 * bc * D + 4 * br * D + 2 * bc * br) + 4 * 4 * br
         return ITEMSIZE * (2 * bc * D + 4 * br * D + bc * br) + 4 * 4 * br   # K, V, 2x (Q, dO), dS^T; 2x (lse, D)
 
     def dq_smem(self, D: int) -> int:
@@ -193,7 +258,7 @@ class TCConfig:
         drops = (False, True) if mods is None else (mods.dropout,)
         smem = {self.backward_name(dtype, D, drop): self.backward_smem(D) for drop in drops}
         smem[self.rowdot_name(dtype)] = 0
-        if self.deterministic:
+        if self.deterministic and D <= 128:          # no deterministic dQ kernel at D > 128 (backward_errors)
             smem.update({self.dq_name(dtype, D, drop): self.dq_smem(D) for drop in drops})
         return CompileUnit("fa2_tc_bwd.cu", tuple(smem), cuda_options() + (mods.options if mods else ()), smem,
                            label=f"fa2-tc-bwd[{dtype}, D={D}{', deterministic' if self.deterministic else ''}"
@@ -347,7 +412,7 @@ class FA2TensorCore:
     def check(self, problem, config, direction):
         errs = config.envelope_errors(d_pad(problem.d))
         if direction in ("backward", "both"):
-            errs += config.backward_errors(d_pad(problem.d))
+            errs += config.backward_errors(bwd_d_pad(problem.d)) or config.backward_device_errors(bwd_d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
         for mod in (problem.score_mod, problem.mask_mod):     # their CUDA text and buffers, before any launch
@@ -371,15 +436,16 @@ class FA2TensorCore:
     TUNED = {(128, "auto", 4, 1, "q"), (64, 64, 4, "auto", "q"), (64, 64, 4, 2, "q"), (128, 64, 8, "auto", "q"),
              (64, 64, 4, 1, "k"), (32, 64, 4, 1, "k")}
 
-    # The backward's default is not marked tuned: at D = 64 it trades 48-84 bytes of spills for 3 blocks
-    # per SM (measured faster, TCConfig.BWD_AUTO); at D = 128 the atomic column kernel (Bc = 128) compiles
+    # The backward's default is not marked tuned at D = 64 and 128: at D = 64 it trades 48-84 bytes of spills for
+    # 3 blocks per SM (measured faster, TCConfig.BWD_AUTO); at D = 128 the atomic column kernel (Bc = 128) compiles
     # clean for sm_90 but spills 40-76 bytes for sm_80, the deterministic one (Bc = 64) 16-72 bytes (255
-    # registers: the dK and dV accumulators alone take 128). bwd_block_r=32 at D = 64 compiles clean.
-    BWD_TUNED_DIMS = ()
+    # registers: the dK and dV accumulators alone take 128). bwd_block_r=32 at D = 64 compiles clean. The wide
+    # kernel (D = 192, 256) compiles clean for sm_90 and sm_80 (NVRTC 13: 229-253 registers), so the gate holds it.
+    BWD_TUNED_DIMS = (192, 256)
 
     def tuned(self, config, unit=None) -> bool:
-        if unit is not None and unit.source == "fa2_tc_bwd.cu":     # names: fa2_tc_bwd<T, D, ...>
-            return all(int(n.split(",")[1]) in self.BWD_TUNED_DIMS for n in unit.names)
+        if unit is not None and unit.source == "fa2_tc_bwd.cu":     # names: fa2_tc_bwd<T, D, ...> (rowdot<T>: no D)
+            return all(int(n.split(",")[1]) in self.BWD_TUNED_DIMS for n in unit.names if "," in n)
         return (config.block_r, config.block_c, config.warps, config.min_blocks, config.split) in self.TUNED \
             and config.stages == 2
 
@@ -398,10 +464,11 @@ class FA2TensorCore:
         """FA2 Algorithm 2: D = rowsum(dO o O) (fa2_tc_bwd_rowdot), then one block per K/V tile. dQ: fp32
         atomics cast to the input dtype at the end, or with `deterministic` a row-parallel dQ kernel
         that adds the K/V tiles in a fixed order (and the column kernel leaves dQ alone)."""
+        D, dropout = bwd_d_pad(p.d), p.dropout_p > 0
+        self._refuse_backward(D, config)
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
             check_alignment(x, nm, self.name)
-        D, dropout = d_pad(p.d), p.dropout_p > 0
         mods = ModKernel.of(p, backward=True)       # None without modifiers: the kernels without them
         unit = config.backward_unit(p.dtype, D, mods)
         name = config.backward_name(p.dtype, D, dropout)
@@ -443,6 +510,14 @@ class FA2TensorCore:
                (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         return dq, dk, dv
+
+    def _refuse_backward(self, D: int, config):
+        """check() refuses these first; a direct call of backward / backward_plan (the fa3 rungs' backward is this
+        one with their TCConfig) is refused here too, before any launch: the config's envelope at D, and the
+        current GPU's shared memory (the wide kernel at D = 256 does not fit sm_80)."""
+        errs = config.backward_errors(D) or config.backward_device_errors(D)
+        if errs:
+            raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
 
     @property
     def varlen_forward(self) -> bool:
@@ -573,12 +648,13 @@ class FA2TensorCore:
         """`strides`: element strides of q, k, v, out and dout. The buffers: D = rowsum(dO o O), dq (an
         fp32 accumulator zeroed by the caller and cast to the input dtype after the run, unless
         deterministic), dk, dv."""
+        D, dropout = bwd_d_pad(p.d), p.dropout_p > 0
+        self._refuse_backward(D, config)
         import cupy as xp
         if config.bwd_pre != "kernel" or p.score_mod is not None or p.mask_mod is not None:
             return None
         for nm in ("q", "k", "v", "out", "dout"):
             _check_row_strides(strides[nm], nm, self.name)
-        D, dropout = d_pad(p.d), p.dropout_p > 0
         unit = config.backward_unit(p.dtype, D)
         name = config.backward_name(p.dtype, D, dropout)
         br, bc, warps, _ = config.bwd_geometry(D)
@@ -653,12 +729,13 @@ PARAMS = (
           "P V_j (the flash-attn order); 1, each tile's copies waited for before its GEMMs (the rung below)"),
     Param("bwd_block_r", ("auto", 32, 64, 128), "auto", "backward column kernel: Q tile rows Br; with Bc "
           "(bwd_block_c) one of TCConfig.BWD_GEOMETRY: (32, 64) 2 warps of 32 keys, (64, 64) 4 warps of 16 keys, "
-          "(64, 128) and (128, 128) 8 warps of 16 keys; auto: TCConfig.BWD_AUTO per head dim"),
+          "(64, 128) and (128, 128) 8 warps of 16 keys; auto: TCConfig.BWD_AUTO per head dim; at d > 128 (the "
+          "fa3 rungs' wide head dims) the one tile of fa2_tc_bwd_wide, Br = Bc = 64 (auto or 64)"),
     Param("bwd_block_c", ("auto", 64, 128), "auto", "backward column kernel: keys per block Bc; auto: with bwd_block_r "
-          "auto TCConfig.BWD_AUTO, else TCConfig.BWD_AUTO_BC of that Br"),
+          "auto TCConfig.BWD_AUTO, else TCConfig.BWD_AUTO_BC of that Br; at d > 128: 64 (auto or 64)"),
     Param("bwd_min_blocks", ("auto", 1, 2, 3), "auto", "backward column kernel: blocks per SM the register "
           "allocation must allow (__launch_bounds__): more warps in flight, spills past the kernel's need; auto: "
-          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim and tile (3 at d = 64, Br = Bc = 64)"),
+          "TCConfig.BWD_AUTO_MIN_BLOCKS per head dim and tile (3 at d = 64, Br = Bc = 64); at d > 128: 1 (auto or 1)"),
     Param("bwd_pre", ("kernel", "cupy"), "kernel", "backward preprocessing D = rowsum(dO o O): one kernel over the "
           "16-bit inputs (fa2_tc_bwd_rowdot), or the CuPy expression with fp32 casts (the rung below)"),
 )

@@ -16,8 +16,10 @@ the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and b
 8 up to 256: kernels for D = 64, 128, 192 and 256, d zero-padded to the next (`d_pad`: d = 96 runs the
 D = 128 kernel). Bc "auto" (the default) is FA3's key tile per head dim (AUTO_BC: 128 up to D = 128,
 112 at 192, 80 at 256: the largest whose S, P and O registers and Q, K, V shared memory fit). The
-backward stops at d = 128 (both fa2-tc's and fa3_bwd.cu hold dK and dV in registers): check() refuses
-a backward at d > 128 with a ValueError naming the head dim; the forward runs there.
+backward runs every head dim of the forward: past d = 128 fa2-tc's wide kernel (kernels_cu/fa2_tc_bwd.cu
+fa2_tc_bwd_wide, D = 192 and 256: two warps per key strip, each holding dK and dV for half the head dim),
+which "auto" picks there; bwd_kernel="wgmma" / "wgmma2" (dK and dV of the whole head dim in registers) stop
+at d = 128, refused past it with a ValueError naming the head dim.
 Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
 (kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
 the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
@@ -44,7 +46,8 @@ from .fa2_tc import CTYPE, ITEMSIZE, MAX_FLOAT_POSITION, FA2TensorCore, ModKerne
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 ARCHS = ("sm_90a",)          # wgmma.mma_async: the architecture-specific target
 HEAD_DIMS = (64, 128, 192, 256)  # the padded head dims D the forward kernels are built for
-BWD_MAX_D = 128              # the backward kernels (fa2-tc's, fa3_bwd.cu) stop here
+BWD_MAX_D = 256              # fa2-tc's backward ("mma"; fa2_tc_bwd_wide past 128) stops here
+WGMMA_BWD_MAX_D = 128        # fa3_bwd.cu and fa3_bwd2.cu ("wgmma", "wgmma2") stop here
 
 
 def d_pad(d: int) -> int:
@@ -53,12 +56,14 @@ def d_pad(d: int) -> int:
     return next(D for D in HEAD_DIMS if d <= D)
 
 
-def backward_head_dim_errors(d: int) -> list[str]:
-    """The backward's envelope in head dim (the forward's is HEAD_DIMS[-1])."""
-    if d <= BWD_MAX_D:
-        return []
-    return [f"backward at head dim {d}: the backward kernels (fa2-tc's, fa3_bwd.cu) stop at d = {BWD_MAX_D}; "
-            f"d = {BWD_MAX_D + 8}..{HEAD_DIMS[-1]} is forward only"]
+def backward_head_dim_errors(d: int, bwd_kernel: str = "mma") -> list[str]:
+    """The backward's envelope in head dim for a bwd_kernel choice ("auto" resolves to "mma" past 128)."""
+    if d > BWD_MAX_D:
+        return [f"backward at head dim {d}: the backward kernels stop at d = {BWD_MAX_D}"]
+    if bwd_kernel in fa3_backward.KERNELS and d > WGMMA_BWD_MAX_D:
+        return [f"backward at head dim {d}: bwd_kernel={bwd_kernel!r} (kernels_cu/fa3_bwd*.cu) stops at "
+                f"d = {WGMMA_BWD_MAX_D}; bwd_kernel=\"mma\" (or \"auto\") runs fa2-tc's backward up to d = {BWD_MAX_D}"]
+    return []
 
 
 # Bc "auto", per padded head dim: FA3's key tiles (hopper/tile_size.h, 128 query rows): 128 up to D = 128;
@@ -204,7 +209,7 @@ class FA3Wgmma(FA2TensorCore):
             raise ValueError(f"variant {self.name!r}: head dim {problem.d} exceeds {HEAD_DIMS[-1]}")
         errs = config.envelope_errors(d_pad(problem.d))
         if direction in ("backward", "both"):
-            bwd = backward_head_dim_errors(problem.d)
+            bwd = backward_head_dim_errors(problem.d, config.bwd_kernel)
             errs += bwd or config.bwd.backward_errors(d_pad(problem.d))
         if problem.d % 8:
             errs.append(f"head dim {problem.d} is not a multiple of 8 (rows move in 16-byte chunks)")
@@ -234,7 +239,7 @@ class FA3Wgmma(FA2TensorCore):
         also hold the wgmma backward's preprocessing) and with bwd_kernel="wgmma" (fa3_bwd.cu)."""
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS if not config.envelope_errors(D)]
         if config == self.configure():
-            units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in (64, 128)
+            units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS
                       if not config.bwd.backward_errors(D)]
         kernel = AUTO_BWD if config.bwd_kernel == "auto" else config.bwd_kernel
         if kernel in fa3_backward.KERNELS:
@@ -249,7 +254,7 @@ class FA3Wgmma(FA2TensorCore):
         return caps
 
     def backward(self, p, dout, q, k, v, out, lse, config):
-        self._refuse_wide_backward(p)
+        self._refuse_wide_backward(p, config)
         kernel = resolve_bwd_kernel(config.bwd_kernel, p)
         if kernel in fa3_backward.KERNELS and has_mods(p):
             raise ValueError(f"variant {self.name!r}: " + _WGMMA_BWD_MODS)
@@ -257,9 +262,9 @@ class FA3Wgmma(FA2TensorCore):
             return fa3_backward.dispatch_backward(kernel, self.name, p, dout, q, k, v, out, lse, config.bwd)
         return super().backward(p, dout, q, k, v, out, lse, config.bwd)
 
-    def _refuse_wide_backward(self, p):
+    def _refuse_wide_backward(self, p, config):
         """check() refuses it first; this guard keeps a direct call from launching a D = 128 kernel on wider rows."""
-        errs = backward_head_dim_errors(p.d)
+        errs = backward_head_dim_errors(p.d, config.bwd_kernel)
         if errs:
             raise ValueError(f"variant {self.name!r}: " + "; ".join(errs))
 
@@ -315,7 +320,7 @@ class FA3Wgmma(FA2TensorCore):
         return LaunchPlan(buffers, run, keep=(tiles,))
 
     def backward_plan(self, p, config, strides):
-        self._refuse_wide_backward(p)
+        self._refuse_wide_backward(p, config)
         if has_mods(p):          # the generic path: fa2-tc's backward with the modifiers compiled in
             return None
         kernel = resolve_bwd_kernel(config.bwd_kernel, p)
@@ -329,8 +334,8 @@ BWD_KERNEL = Param("bwd_kernel", ("auto", "mma", "wgmma", "wgmma2"), "auto", "ba
                    "block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per tile by bulk reductions, "
                    "the GEMMs overlapped with the element-wise steps; 2x mma on the H100); auto: wgmma2 for d <= 128 "
                    "without modifiers, else mma")
-# head dims: the forward's (multiples of 8 up to 256); the backward's stop at 128 (check() refuses past it:
-# the registry has one head-dim list for both directions)
+# head dims: the forward's (multiples of 8 up to 256), the backward's the same with "mma" / "auto"; "wgmma" and
+# "wgmma2" stop at 128 (check() refuses past it: the registry has one head-dim list for both directions)
 # score_mod / mask_mod: compiled into the forward (tc_mods.cuh), the backward fa2-tc's with the same modifiers
 CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)),
                     score_mod=True, mask_mod=True)

@@ -13,8 +13,8 @@ Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x 
 slots (`stages`), `overlap`, `philox_rounds`. Tensor maps: sandbox/tma.py (built per array on the host,
 passed by value through loader.PackedLaunch). The backward is fa2-tc's (mma.sync) with its defaults.
 Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 256, padded
-to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 80; the backward stops at
-d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
+to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 80; the backward runs every
+head dim, fa2-tc's wide kernel past d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
 240 registers, O alone 128 of them), Bc = 80, two ring slots (Q 64 KB + 2 x (K, V) 160 KB of 227 KB). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
 broadcast dims) are copied to contiguous ones first; the torch plan path then takes the generic path.
 Score and mask modifiers: as fa3-wgmma (tc_mods.cuh compiled into the forward module, the mask
