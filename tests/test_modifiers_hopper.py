@@ -113,8 +113,9 @@ def test_refusals_come_before_any_launch():
         get_variant("fa3", bwd_kernel="wgmma").check(_problem(sm), "backward")
     get_variant("fa3", bwd_kernel="wgmma").check(_problem(sm), "forward")       # the forward is fa3's
     get_variant("fa3-ws").check(_problem(sm, d=256), "forward")
+    get_variant("fa3-ws").check(_problem(sm, d=256), "backward")          # fa2-tc's wide backward
     with pytest.raises(ValueError, match="head dim 256"):
-        get_variant("fa3-ws").check(_problem(sm, d=256), "backward")
+        get_variant("fa3-ws", bwd_kernel="wgmma2").check(_problem(None, d=256), "backward")
     commented = M.ScoreMod("commented", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s // plain")
     with pytest.raises(ValueError, match="score_mod 'commented'.*'//'"):
         get_variant("fa3-wgmma").check(_problem(commented), "forward")
