@@ -237,6 +237,17 @@ def tests_command(args) -> tuple[list[str], dict]:
     return cmd, env
 
 
+def prebuild_defaults(s: Session):
+    """Every module of every CUDA variant's default config into the disk cache, one NVRTC program per
+    core, before the pytest workers start: otherwise each worker compiles the same modules at once
+    on its first examples (the cache is shared, but nobody has written it yet)."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-c", "import sandbox.cli as c, sandbox.registry as r; "
+           "c._prebuild([v.bind() for v in r.all_variants().values() if v.backend == 'cuda'])"]
+    rc = s.run(cmd, s.stage / "prebuild.log")
+    print(f"prebuild of the default configs' modules: rc {rc}, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
 def run_tests(s: Session):
     s.step(f"GPU test suite: pytest -m gpu ({s.args.examples} examples per fuzz test)")
     cmd, extra = tests_command(s.args)
@@ -246,16 +257,24 @@ def run_tests(s: Session):
     log = s.stage / "pytest.log"
     if s.args.dry_run:
         print(" ".join(f"{k}={v}" for k, v in extra.items()), end=" ")
+    else:
+        prebuild_defaults(s)
     rc = s.run(cmd, log, env={**s.env, **extra})
     if s.args.dry_run:
         return
     with open(log, "a") as f:
         f.write(f"pytest rc={rc}\n")
-    counts = {}
+    counts, feats = {}, {}
     for part in glob.glob("/tmp/bench-session-fuzz/fuzz.json.*"):
-        for key, n in json.load(open(part))["by_variant"].items():
+        if part.endswith(".tmp"):
+            continue
+        report = json.load(open(part))
+        for key, n in report["by_variant"].items():
             counts[key] = counts.get(key, 0) + n
-    (s.stage / "fuzz.json").write_text(json.dumps({"total": sum(counts.values()), "by_variant": counts}, indent=1))
+        for key, n in report.get("by_feature", {}).items():
+            feats[key] = feats.get(key, 0) + n
+    (s.stage / "fuzz.json").write_text(json.dumps({"total": sum(counts.values()), "by_variant": counts,
+                                                   "by_feature": dict(sorted(feats.items()))}, indent=1))
     from .gpu_summary import pytest_verdict
     verdict = pytest_verdict(log.read_text(errors="replace")) or "no verdict"
     s.results["tests"] = f"{verdict} (rc {rc}); {sum(counts.values())} oracle-checked examples"

@@ -24,6 +24,26 @@ from .precision import numpy_dtype
 from .registry import BoundVariant
 
 EXAMPLES = Counter()          # examples checked, per "variant/dtype/direction" (for the reports)
+FEATURES = Counter()          # examples checked, per "variant/feature" (features(case))
+
+
+def features(case: "Case") -> list[str]:
+    """The features a case exercises, as the reports count them: causal, window, block_sparse,
+    dropout, gqa, scale (not 1/sqrt(d)), head_dim>128, score_mod:<name> (sinks counted as their
+    own), mask_mod:<name>."""
+    o = case.options
+    out = [name for name, on in (("causal", o.get("causal")), ("window", o.get("window") is not None),
+                                 ("block_sparse", o.get("block_mask") is not None),
+                                 ("dropout", o.get("dropout_p", 0.0) > 0.0), ("gqa", case.Hq != case.Hkv),
+                                 ("scale", o.get("scale") is not None), ("head_dim>128", case.d > 128)) if on]
+    score, mask = o.get("score_mod"), o.get("mask_mod")
+    if score is not None:
+        out.append(f"score_mod:{score.name.removesuffix('+sinks')}")
+        if score.sink is not None:
+            out.append("score_mod:sinks")
+    if mask is not None:
+        out.append(f"mask_mod:{mask.name}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -205,6 +225,7 @@ def check_case(bound: BoundVariant, case: Case, direction: str = "forward",
                                               rounding.get(name, 0.0)))
     verdicts += _twin_verdicts(case)
     EXAMPLES[f"{bound.name}/{case.dtype}/{direction}"] += 1
+    FEATURES.update(f"{bound.name}/{f}" for f in features(case))
     return verdicts
 
 

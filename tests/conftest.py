@@ -46,13 +46,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_sessionfinish(session):
+def _write_fuzz_report():
     """With FUZZ_REPORT set, each process (pytest-xdist workers included) writes its own counts to
-    FUZZ_REPORT.<worker>; bench/gpu_summary.py adds them up."""
+    FUZZ_REPORT.<worker>; bench/session.py adds them up. Written after every test, not only at the
+    end, so that a run stopped by a time limit still reports the examples of its finished tests."""
     path = os.environ.get("FUZZ_REPORT")
     if path and fuzz.EXAMPLES:
-        with open(f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "w") as f:
-            json.dump({"total": sum(fuzz.EXAMPLES.values()), "by_variant": dict(fuzz.EXAMPLES)}, f, indent=1)
+        tmp = f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+        with open(tmp + ".tmp", "w") as f:
+            json.dump({"total": sum(fuzz.EXAMPLES.values()), "by_variant": dict(fuzz.EXAMPLES),
+                       "by_feature": dict(fuzz.FEATURES)}, f, indent=1)
+        os.replace(tmp + ".tmp", tmp)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _write_fuzz_report()
+
+
+def pytest_sessionfinish(session):
+    _write_fuzz_report()
 
 
 def pytest_terminal_summary(terminalreporter):

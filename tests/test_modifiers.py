@@ -414,3 +414,15 @@ def test_cuda_text_of_every_builtin_compiles_with_nvrtc():
     broken = ScoreMod("broken", _quad_np, _quad_scalar, "s - alpha[0] * (j - i) *", buffers={"alpha": [0.1]})
     with pytest.raises(RuntimeError, match="NVRTC failed"):
         loader._nvrtc_build("broken.cu", broken.cuda_function(), ["-std=c++17"], (), "sm_90")
+
+
+def test_fuzz_counts_the_features_of_each_checked_case():
+    """The per-feature example counts the GPU reports quote (fuzz.FEATURES): each feature of a case
+    is named, a sink modifier under its own name as well as its base modifier's."""
+    case = fuzz.Case(1, 4, 2, 9, 11, 256, "float16",
+                     {"causal": True, "dropout_p": 0.5, "seed": 1, "offset": 0,
+                      "score_mod": modifiers.softcap(2.0).with_sinks(np.zeros(4)),
+                      "mask_mod": modifiers.prefix_lm(3)}, 0)
+    assert fuzz.features(case) == ["causal", "dropout", "gqa", "head_dim>128", "score_mod:softcap",
+                                   "score_mod:sinks", "mask_mod:prefix_lm"]
+    assert fuzz.features(fuzz.Case(1, 1, 1, 5, 5, 16, "float32", {"dropout_p": 0.0}, 0)) == []
