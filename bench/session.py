@@ -230,10 +230,13 @@ def tests_command(args) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-p", "xdist", "-n", str(args.workers)]
-    cmd += ["-m", "gpu", "tests"] + (["-k", args.pytest_k] if args.pytest_k else [])
-    # third-party pytest plugins on GPU images can break `import torch` inside pytest: load none
+    cmd += ["-m", "gpu", "--durations=15", "tests"] + (["-k", args.pytest_k] if args.pytest_k else [])
+    # third-party pytest plugins on GPU images can break `import torch` inside pytest: load none.
+    # One BLAS thread per worker: the workers already fill the cores (the oracle's matmuls are small).
     env = {"HYPOTHESIS_PROFILE": "gpu", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "GPU_EXAMPLES": str(args.examples),
-           "GPU_SHARDS": str(args.shards), "FUZZ_REPORT": "/tmp/bench-session-fuzz/fuzz.json"}
+           "GPU_SHARDS": str(args.shards), "FUZZ_REPORT": "/tmp/bench-session-fuzz/fuzz.json",
+           **({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+              if importlib.util.find_spec("xdist") is not None else {})}
     return cmd, env
 
 

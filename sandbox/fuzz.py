@@ -94,13 +94,16 @@ def _relative_bias(rng, B, Hq, Nq, Nk):
     return modifiers.relative_bias(rng.standard_normal((_heads(rng, Hq), 2 * dist + 1)), dist)
 
 
-SCORE_MODS = (
-    lambda rng, B, Hq, Nq, Nk: modifiers.softcap(float(rng.choice([0.5, 2.0, 20.0]))),
-    lambda rng, B, Hq, Nq, Nk: modifiers.alibi(rng.uniform(-1.0, 0.5, _heads(rng, Hq))),
-    _relative_bias,
-    lambda rng, B, Hq, Nq, Nk: modifiers.sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
-    lambda rng, B, Hq, Nq, Nk: modifiers.softcap(3.0).with_sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
-)
+# The built-in score modifiers by name (the feature names of `features`), then in the order the
+# fuzzer draws them; "sinks" draws sinks alone or with a soft-cap.
+SCORE_MOD_FACTORIES = {
+    "softcap": lambda rng, B, Hq, Nq, Nk: modifiers.softcap(float(rng.choice([0.5, 2.0, 20.0]))),
+    "alibi": lambda rng, B, Hq, Nq, Nk: modifiers.alibi(rng.uniform(-1.0, 0.5, _heads(rng, Hq))),
+    "relative_bias": _relative_bias,
+    "sinks": lambda rng, B, Hq, Nq, Nk: modifiers.sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
+    "softcap+sinks": lambda rng, B, Hq, Nq, Nk: modifiers.softcap(3.0).with_sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),
+}
+SCORE_MODS = tuple(SCORE_MOD_FACTORIES.values())
 
 
 def _ids(rng, rows, n):
@@ -113,10 +116,11 @@ def _document(rng, B, Hq, Nq, Nk):
     return modifiers.document(_ids(rng, rows, Nq), _ids(rng, rows, Nk))
 
 
-MASK_MODS = (
-    _document,
-    lambda rng, B, Hq, Nq, Nk: modifiers.prefix_lm(rng.integers(0, Nk + 1, int(rng.choice([1, B])))),
-)
+MASK_MOD_FACTORIES = {
+    "document": _document,
+    "prefix_lm": lambda rng, B, Hq, Nq, Nk: modifiers.prefix_lm(rng.integers(0, Nk + 1, int(rng.choice([1, B])))),
+}
+MASK_MODS = tuple(MASK_MOD_FACTORIES.values())
 
 
 def cases(bound: BoundVariant, dtype: str, limits: Limits = Limits(), score_mods=None, mask_mods=None):

@@ -233,7 +233,7 @@ def test_session_dry_run_lists_every_part(tmp_path):
     r = cli("session", "--dry-run", "--out", str(tmp_path / "out"), "--examples", "7", "--shards", "2")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    assert "GPU_EXAMPLES=7" in out and "GPU_SHARDS=2" in out and "-m pytest" in out and "-m gpu tests" in out
+    assert "GPU_EXAMPLES=7" in out and "GPU_SHARDS=2" in out and "-m pytest" in out and "-m gpu --durations=15 tests" in out
     cuda = [n for n, v in registry.all_variants().items() if v.backend == "cuda"]
     for name in cuda:
         for tool in ("memcheck", "racecheck"):
