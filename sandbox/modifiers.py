@@ -16,7 +16,8 @@ Each is declared once, in the forms the backends need:
   compile it into their module (the module cache is keyed by that text; `cuda_function()`). A score
   modifier's text may also use `fi`, `fj`: i and j as floats, which the kernels form once per row and
   column of a tile (an int-to-float conversion per element runs at quarter rate, on the pipe the
-  softmax's exponentials need), and `fa_tanh(x)`, the hardware tanh (kernels_cu/tc_mods.cuh). The text
+  softmax's exponentials need), `fa_tanh(x)`, the hardware tanh, and `fa_sech2(x)` = 1 - tanh^2 x with
+  a small relative error (kernels_cu/tc_mods.cuh). The text
   "s" is the identity: the kernels compile no score modifier for it (sinks alone).
 
 The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
@@ -327,11 +328,11 @@ def softcap(cap) -> ScoreMod:
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap}")
     # CUDA: cap[1] = 1 / cap (a multiply, not an IEEE division per element) and the hardware tanh
-    # (fa_tanh: MUFU.TANH, one op; libdevice's tanhf is a branchy exp / division / polynomial sequence);
-    # the derivative's tanh is the forward's, shared by the compiler (the backward calls both).
+    # (fa_tanh: MUFU.TANH, one op; libdevice's tanhf is a branchy exp / division / polynomial sequence).
+    # The derivative is fa_sech2, not 1 - fa_tanh^2: the approximate tanh's absolute error (2^-11) is
+    # larger than sech^2 itself where tanh saturates (kernels_cu/tc_mods.cuh).
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
-                    _softcap_grad_np, _softcap_grad_scalar,
-                    "1.0f - fa_tanh(s * cap[1]) * fa_tanh(s * cap[1])",
+                    _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap})
 
 

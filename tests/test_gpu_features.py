@@ -10,10 +10,11 @@ first. GPU_EXAMPLES examples per test (profile gpu), GPU_SHARDS tests per (varia
 direction)."""
 import os
 
+import numpy as np
 import pytest
 from hypothesis import given
 
-from sandbox import fuzz, get_variant
+from sandbox import fuzz, get_variant, modifiers
 from sandbox.registry import all_variants
 
 SHARDS = range(int(os.environ.get("GPU_SHARDS", "1")))
@@ -75,3 +76,25 @@ def test_feature_matches_oracle(name, feature, dtype, direction, shard):
         fuzz.assert_case(bound, case, direction)
 
     check()
+
+
+# Found by the feature fuzz (session 5): the soft-cap's derivative as 1 - fa_tanh^2 erred by about
+# 2^-10 in absolute terms, all of sech^2 where tanh saturates; fa_sech2 fixed it (kernels_cu/tc_mods.cuh).
+SATURATED_SOFTCAP = [
+    fuzz.Case(1, 1, 1, 1, 1, 40, "float16", {"window": (None, None), "scale": -0.7,
+                                              "score_mod": modifiers.softcap(3.0).with_sinks(np.array([0.3]))},
+              185, logit_scale=4.0),
+    fuzz.Case(1, 2, 1, 1, 2, 16, "bfloat16", {"dropout_p": 0.1, "seed": 0, "offset": 0, "scale": 2.5,
+                                               "score_mod": modifiers.softcap(0.5)}, 0, logit_scale=4.0),
+    fuzz.Case(1, 3, 3, 1, 2, 96, "float16", {"dropout_p": 0.1, "seed": 0, "offset": 0, "scale": 2.5,
+                                              "score_mod": modifiers.softcap(2.0)}, 2, mean=0.5),
+    fuzz.Case(2, 2, 2, 70, 90, 64, "float16", {"causal": True, "score_mod": modifiers.softcap(0.5)}, 3,
+              logit_scale=4.0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa2-tc", "fa3"])
+@pytest.mark.parametrize("case", SATURATED_SOFTCAP, ids=range(len(SATURATED_SOFTCAP)))
+def test_softcap_gradient_through_saturated_scores(name, case):
+    fuzz.assert_case(get_variant(name), case, "backward")

@@ -407,7 +407,7 @@ def test_cuda_text_of_every_builtin_compiles_with_nvrtc():
     from sandbox import loader
     rng = np.random.default_rng(0)
     mods = [f(rng, 2, 2, 5, 6) for f in fuzz.SCORE_MODS + fuzz.MASK_MODS] + [quadratic()]
-    helpers = re.search(r"__device__ __forceinline__ float fa_tanh.*?\n}\n", loader.source_text("tc_mods.cuh"),
+    helpers = re.search(r"__device__ __forceinline__ float fa_tanh.*?float fa_sech2.*?\n}\n", loader.source_text("tc_mods.cuh"),
                         re.S).group(0)                           # what the kernels give a modifier's text
     text = helpers + "".join(f"namespace m{n} {{\n{m.cuda_function()}}}\n" for n, m in enumerate(mods))
     loader._nvrtc_build("modifiers.cu", text, ["-std=c++17"], (), "sm_90")
