@@ -57,6 +57,7 @@ TOOLS = {"sanitize": ("compute-sanitizer", "compute-sanitizer (CUDA toolkit)"), 
 DEFAULT_FAMILIES = ("run", "grid", "softmax", "dropout")
 SANITIZE_CASE = ["--batch", "1", "--heads", "2", "--seqlen", "70", "--reps", "1", "--no-baselines", "--causal"]
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy")
+INTERRUPT_GRACE_S = 20  # between SIGINT and SIGKILL at the time limit
 MARGIN_S = 30          # left for the summary and the archive under --time-limit
 
 
@@ -185,8 +186,9 @@ class Session:
         print(f"== {text} ({time.monotonic() - self.t0:.0f} s)", file=sys.stderr, flush=True)
 
     def run(self, cmd, log: Path, env=None, append=False) -> int:
-        """Run cmd (its own process group) with stdout and stderr to log; past the time limit its
-        group is killed: status 124."""
+        """Run cmd (its own process group) with stdout and stderr to log; at the time limit its group
+        gets SIGINT and INTERRUPT_GRACE_S to finish (pytest then prints its failures and summary so
+        far), then SIGKILL: status 124."""
         if self.args.dry_run:
             print(" ".join(map(str, cmd)))
             return 0
@@ -199,10 +201,14 @@ class Session:
             proc = subprocess.Popen(list(map(str, cmd)), cwd=ROOT, env=env or self.env, stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                return proc.wait(timeout=left)
+                return proc.wait(timeout=None if left is None else max(1.0, left - INTERRUPT_GRACE_S))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(timeout=INTERRUPT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
                 f.write("\n(stopped: the session's time limit)\n")
                 return 124
 
