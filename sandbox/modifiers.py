@@ -62,6 +62,24 @@ def _callable(value, what, optional=False):
     return value
 
 
+def _scalar_form(value, what, optional=False):
+    """A scalar form: callable, with named positional parameters only. Numba's CUDA inliner refuses
+    *args and **kwargs (NotImplementedError "Stararg not supported in inliner"); the CUDA simulator
+    runs plain Python and would accept them, so the rule is checked here, on every machine."""
+    if _callable(value, what, optional) is None:
+        return None
+    import inspect
+    try:
+        params = inspect.signature(value).parameters.values()
+    except (TypeError, ValueError):          # a builtin or a Numba dispatcher: nothing to read
+        return value
+    star = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if star:
+        raise TypeError(f"{what}: the Numba CUDA kernels call it with one positional argument per index and "
+                        f"buffer; *{star[0]} is not supported there (name each parameter)")
+    return value
+
+
 def _text(value, what):
     if not isinstance(value, str) or not value.strip():
         raise TypeError(f"{what} must be a non-empty string of CUDA C, got {value!r}")
@@ -129,14 +147,14 @@ class ScoreMod:
         _name(self.name, "ScoreMod")
         where = f"ScoreMod {self.name!r}"
         _callable(self.numpy, f"{where}: numpy")
-        _callable(self.scalar, f"{where}: scalar")
+        _scalar_form(self.scalar, f"{where}: scalar")
         _text(self.cuda, f"{where}: cuda")
         grads = (self.grad, self.scalar_grad, self.cuda_grad)
         if any(g is not None for g in grads) and any(g is None for g in grads):
             raise ValueError(f"{where}: give the derivative in all three forms (grad, scalar_grad, cuda_grad) "
                              "or in none")
         _callable(self.grad, f"{where}: grad", optional=True)
-        _callable(self.scalar_grad, f"{where}: scalar_grad", optional=True)
+        _scalar_form(self.scalar_grad, f"{where}: scalar_grad", optional=True)
         if self.cuda_grad is not None:
             _text(self.cuda_grad, f"{where}: cuda_grad")
         _callable(self.check, f"{where}: check", optional=True)
@@ -226,7 +244,7 @@ class MaskMod:
         _name(self.name, "MaskMod")
         where = f"MaskMod {self.name!r}"
         _callable(self.numpy, f"{where}: numpy")
-        _callable(self.scalar, f"{where}: scalar")
+        _scalar_form(self.scalar, f"{where}: scalar")
         _text(self.cuda, f"{where}: cuda")
         _callable(self.check, f"{where}: check", optional=True)
         object.__setattr__(self, "buffers", _buffers(self.buffers, where))
@@ -343,7 +361,14 @@ def _ones_np(s, b, h, i, j, *buffers, **named):
     return np.ones_like(s)
 
 
-def _one_scalar(s, b, h, i, j, *buffers):
+# The scalar forms run in the Numba CUDA kernels, whose inliner takes no *args: one function per
+# buffer count (the CUDA simulator, plain Python, accepted *buffers; the GPU's Numba raised
+# NotImplementedError "Stararg not supported in inliner", found by the GPU feature fuzz).
+def _one_scalar(s, b, h, i, j):
+    return 1.0
+
+
+def _one_scalar_1(s, b, h, i, j, buffer):
     return 1.0
 
 
@@ -360,7 +385,7 @@ def alibi(slopes) -> ScoreMod:
     slopes = _float_vector(slopes, "alibi: slopes")
     return ScoreMod("alibi", _alibi_np, _alibi_scalar,
                     "s + slopes[min(h, slopes_shape0 - 1)] * (fj - fi)",     # fi, fj: no I2F per element
-                    _ones_np, _one_scalar, "1.0f", buffers={"slopes": slopes},
+                    _ones_np, _one_scalar_1, "1.0f", buffers={"slopes": slopes},
                     check=_heads_check("alibi", {"slopes": slopes}), params={"heads": slopes.shape[0]})
 
 
@@ -392,7 +417,7 @@ def relative_bias(table, max_distance: int) -> ScoreMod:
     return ScoreMod("relative_bias", _relative_np, _relative_scalar,
                     "s + table[min(h, table_shape0 - 1) * table_shape1 + "
                     "min(max(j - i, -(table_shape1 / 2)), table_shape1 / 2) + table_shape1 / 2]",
-                    _ones_np, _one_scalar, "1.0f", buffers={"table": table},
+                    _ones_np, _one_scalar_1, "1.0f", buffers={"table": table},
                     check=_heads_check("relative_bias", {"table": table}),
                     params={"max_distance": int(max_distance)})
 
