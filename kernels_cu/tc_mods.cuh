@@ -54,7 +54,8 @@ __device__ __forceinline__ float fa_tanh(float x) {
 // wrong in their leading digits (the GPU feature fuzz found it: dq / dk of softcap cases with large
 // logits). 4 e / (1 + e)^2 with e = exp(-2 |x|): one EX2 (MUFU, which the backward's tanh and exp2
 // already load) and 1 / (1 + e) on the FMA pipe instead of a second MUFU op: 1 + e lies in (1, 2], where
-// 24/17 - 8/17 d is within 1/17 of 1 / d and two Newton steps r (2 - d r) bring it to 1.2e-5.
+// 24/17 - 8/17 d is within 1/17 of 1 / d and two Newton steps r (2 - d r) bring it to 1.2e-5 (sech^2:
+// 2.6e-5 relative at most, checked in float32 over |x| <= 60).
 __device__ __forceinline__ float fa_sech2(float x) {
     float e;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(x)));   // exp(-2 |x|)

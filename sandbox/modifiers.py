@@ -73,10 +73,11 @@ def _scalar_form(value, what, optional=False):
         params = inspect.signature(value).parameters.values()
     except (TypeError, ValueError):          # a builtin or a Numba dispatcher: nothing to read
         return value
-    star = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    star = [("*" if p.kind == p.VAR_POSITIONAL else "**") + p.name for p in params
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if star:
         raise TypeError(f"{what}: the Numba CUDA kernels call it with one positional argument per index and "
-                        f"buffer; *{star[0]} is not supported there (name each parameter)")
+                        f"buffer; {star[0]} is not supported there (name each parameter)")
     return value
 
 

@@ -75,7 +75,7 @@ def quadratic(alpha=0.3, numpy_form=_quad_np) -> ScoreMod:
     (lambda: ScoreMod("x", _quad_np, lambda s, b, h, i, j, *bufs: s, "s"), TypeError, r"scalar: .*\*bufs"),
     (lambda: ScoreMod("x", _quad_np, _quad_scalar, "s", grad=_one_np, scalar_grad=lambda *a: 1.0, cuda_grad="1.0f"),
      TypeError, r"scalar_grad: .*\*a"),
-    (lambda: MaskMod("x", _quad_np, lambda b, h, i, j, **kw: True, "true"), TypeError, r"scalar: .*\*kw"),
+    (lambda: MaskMod("x", _quad_np, lambda b, h, i, j, **kw: True, "true"), TypeError, r"scalar: .*\*\*kw"),
 ])
 def test_modifier_arguments_are_validated(make, error, match):
     with pytest.raises(error, match=match):
