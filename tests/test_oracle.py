@@ -235,3 +235,31 @@ def test_backward_of_a_nan_key_is_nan_for_the_rows_that_see_it():
         dq, dk, dv = oracle.backward(dout, q, k, v, causal=True, precision=precision)
         assert np.isnan(dq[0, 0, 2:]).all() and np.isnan(dk[0, 0]).all() and np.isnan(dv[0, 0]).all()
         assert np.isfinite(dq[0, 1]).all() and np.isfinite(dk[0, 1]).all() and np.isfinite(dv[0, 1]).all()
+
+
+def test_exact_tolerance_covers_the_score_error_carried_through_a_modifier(monkeypatch):
+    """A float32 kernel's scores err by up to ~eps32 * scale * sum|q k| (its dot products), and the
+    backward evaluates mod' at those scores. Scores perturbed by 2 eps32 of that sum, carried through
+    the oracle's own backward, must stay within the exact-tier tolerance: the tolerance's mod'' term
+    (oracle.term_bounds) covers it. Without that term dK here errs 3.6x past it (the GPU's numba-fa2
+    case of session 5: soft-cap 0.5, logits ~ 2,400, dK off by 1.3e-4 against 3.7e-5)."""
+    from sandbox import fuzz, modifiers, tolerance
+    case = fuzz.Case(3, 2, 1, 2, 186, 128, "float32", {"window": (1, None), "scale": 1.0,
+                                                        "score_mod": modifiers.softcap(0.5)}, 466, logit_scale=30.0)
+    q, k, v, dout = case.inputs()
+    ref = oracle.backward(dout, q, k, v, **case.options)
+    terms = oracle.term_bounds(dout, q, k, v, **case.options)
+    exact, rng = oracle._raw_scores, np.random.default_rng(0)
+
+    def erring(qq, kk, scale, rnd):
+        s_abs = abs(scale) * np.einsum("bhid,bhjd->bhij", np.abs(qq), np.abs(kk))
+        return exact(qq, kk, scale, rnd) + 2 * 2.0**-23 * s_abs * rng.uniform(-1, 1, s_abs.shape)
+
+    monkeypatch.setattr(oracle, "_raw_scores", erring)
+    got = oracle.backward(dout, q, k, v, **case.options)
+    monkeypatch.undo()
+    verdicts = [tolerance.compare(n, g, r, "float32", None, "grad", terms[n]) for n, g, r in zip(("dq", "dk", "dv"), got, ref)]
+    assert all(v.ok for v in verdicts), verdicts
+    monkeypatch.setattr(oracle, "_mod_curvature", lambda s, m: 0.0 * s)
+    without = oracle.term_bounds(dout, q, k, v, **case.options)
+    assert not tolerance.compare("dk", got[1], ref[1], "float32", None, "grad", without["dk"]).ok
