@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from typing import Callable
 
@@ -68,7 +69,6 @@ def _scalar_form(value, what, optional=False):
     runs plain Python and would accept them, so the rule is checked here, on every machine."""
     if _callable(value, what, optional) is None:
         return None
-    import inspect
     try:
         params = inspect.signature(value).parameters.values()
     except (TypeError, ValueError):          # a builtin or a Numba dispatcher: nothing to read

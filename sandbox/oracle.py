@@ -215,8 +215,8 @@ def term_bounds(dout, q, k, v, causal=False, scale=None, dropout_p=0.0, seed=0, 
     S_abs = max |mod'(s)| * scale * sum_c |q_c k_c| + |mod(s)| (+ |sink|), and dS's terms are
     weighted by |mod'(s)|. The backward also evaluates mod' at the erring score: dS moves by
     P |dP - D| |mod''(s)| eps scale sum_c |q_c k_c| (the exact dP - D), with mod'' by a central
-    difference of the NumPy derivative (seen on the GPU: numba-fa2, soft-cap 0.5, logits ~ 30 x sqrt(d), dK 1.3e-4 against a
-    tolerance of 3.7e-5 without this term, where mod'' reaches 0.77 / cap).
+    difference of the NumPy derivative (seen on the GPU: numba-fa2, soft-cap 0.5, logits ~ 30 x
+    sqrt(d), dK 1.3e-4 against a tolerance of 3.7e-5 without this term; mod'' reaches 0.77 / cap).
     Returns {"out", "lse", "dq", "dk", "dv"} -> float.
     """
     Hkv = np.shape(k)[1]

@@ -52,11 +52,11 @@ def _write_fuzz_report():
     end, so that a run stopped by a time limit still reports the examples of its finished tests."""
     path = os.environ.get("FUZZ_REPORT")
     if path and fuzz.EXAMPLES:
-        tmp = f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
-        with open(tmp + ".tmp", "w") as f:
+        report = f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
+        with open(report + ".tmp", "w") as f:          # then renamed: a reader never sees half a file
             json.dump({"total": sum(fuzz.EXAMPLES.values()), "by_variant": dict(fuzz.EXAMPLES),
                        "by_feature": dict(fuzz.FEATURES)}, f, indent=1)
-        os.replace(tmp + ".tmp", tmp)
+        os.replace(report + ".tmp", report)
 
 
 def pytest_runtest_logfinish(nodeid, location):

@@ -381,3 +381,18 @@ def test_a_session_end_to_end_with_stand_in_tools(tmp_path, monkeypatch, capsys)
     with tarfile.open(out / "session.tgz") as tar:
         names = set(tar.getnames())
     assert {"./sanitizer.txt", "./sanitizer.log", "./bench.log", "./profile.txt", "./parts.json", "./device.txt"} <= names
+
+
+def test_fuzz_report_is_written_per_process_with_feature_counts(tmp_path):
+    """FUZZ_REPORT (set by `bench session` for its pytest workers): each process writes its
+    oracle-checked counts, per variant and per feature, after every test; no half-written file stays."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "FUZZ_REPORT": str(tmp_path / "fuzz.json"), "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_modifiers.py",
+                        "-k", "numba_variants_with_modifiers and numba-fa2-forward"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["fuzz.json.main"]
+    report = json.loads((tmp_path / "fuzz.json.main").read_text())
+    assert report["total"] == report["by_variant"]["numba-fa2/float32/forward"] > 0
+    assert any(k.startswith("numba-fa2/score_mod:") for k in report["by_feature"])
