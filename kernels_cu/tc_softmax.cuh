@@ -17,6 +17,41 @@
 
 // ---- device helpers
 
+// 2^x for x <= 0 on the FMA pipe (FA_EXP2_EMU, below): x = j + f with j = round(x) by the 1.5 * 2^23
+// shifter (two FADDs, no F2I / FRND, which share the MUFU's quarter rate), 2^f on [-1/2, 1/2] by a
+// degree-4 polynomial (a relative minimax fit with the constant held at exactly 1: 2.9e-6 relative error
+// in float32 Horner form, against 2^-11 for the fp16 rounding of P that follows), and j added to the
+// exponent field with one integer shift-add. x is clamped to -127 first: there j = -127 and f = 0 give
+// 1.0 (0x3F800000) minus 127 << 23 = +0 exactly, so -inf (a masked score, a row that saw nothing) gives
+// 0 as ex2.approx.ftz does (the epilogue's dead-row test needs l == 0); x in (-127, -126.5] gives
+// denormals (p >= 1 there), harmless. Seed context: FlashAttention-4 (Blackwell) splits the softmax's
+// exponentials between MUFU.EX2 and such a polynomial; the FA3 paper's Sec. 3.2 names the EX2 throughput
+// (3.9 TFLOP/s of MUFU against 989 of fp16 wgmma on the H100) as what its overlap hides.
+__device__ __forceinline__ float exp2_fma(float x) {
+    x = fmaxf(x, -127.0f);
+    const float shifted = x + 12582912.0f;               // 1.5 * 2^23: round to nearest integer
+    const float j = shifted - 12582912.0f;
+    const float f = x - j;                                // [-1/2, 1/2]
+    float p = fmaf(0.009582853f, f, 0.055906426f);
+    p = fmaf(p, f, 0.24024099f);
+    p = fmaf(p, f, 0.69312418f);
+    p = fmaf(p, f, 1.0f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));   // j's low bits: the exponent
+}
+
+// FA_EXP2_EMU = k > 0 (an NVRTC -D option, the fa3 variants' `exp2_fma` parameter): the softmax's exp2 of
+// every k-th n8 column block runs exp2_fma on the FMA pipe, the rest MUFU.EX2. Where the EX2s, not the
+// GEMMs, bound a tile (d = 64; a score modifier's MUFU.TANH beside them), moving a fraction of them to the
+// idle FMA pipe (7 FMA-pipe instructions and 2 integer ones for one quarter-rate op) shortens the softmax.
+#ifndef FA_EXP2_EMU
+#define FA_EXP2_EMU 0
+#endif
+__device__ __forceinline__ float softmax_exp2(float x, int n) {
+    if (FA_EXP2_EMU > 0 && n % (FA_EXP2_EMU > 0 ? FA_EXP2_EMU : 1) == (FA_EXP2_EMU > 0 ? FA_EXP2_EMU : 1) - 1)
+        return exp2_fma(x);
+    return exp2_ftz(x);
+}
+
 // The scores stay raw (Q K^T, unscaled) until the exponent: p = 2^(s * scale_log2 - m) is one FFMA
 // and an EX2 per element, with m the row max already in log2 units (FA2 paper Sec. 3.1: fewer
 // non-matmul FLOPs). The row max is taken on the raw scores, which needs scale_log2 > 0: the host
@@ -98,7 +133,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
-                    const float p = exp2_ftz(fmaf(s[mt][n][e], scale_log2, -m_use));
+                    const float p = softmax_exp2(fmaf(s[mt][n][e], scale_log2, -m_use), n);
                     s[mt][n][e] = p;
                     sum += p;
                 }

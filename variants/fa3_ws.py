@@ -50,6 +50,7 @@ class WsConfig:
     pingpong: bool = False
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
     bwd_kernel: str = "auto"                             # fa3_wgmma.BWD_KERNEL: auto, mma, wgmma, wgmma2
+    exp2_fma: int = 0                                    # every k-th column block's exp2 on the FMA pipe (0: none)
 
     @property
     def block_r(self) -> int:
@@ -82,9 +83,11 @@ class WsConfig:
         the one switch it names."""
         drops = (False, True) if mods is None else (mods.dropout,)
         names = tuple(self.forward_name(dtype, D, drop) for drop in drops)
-        return CompileUnit("fa3_ws.cu", names, cuda_options() + (mods.options if mods else ()),
+        emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
+        return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D) for n in names},
-                           label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}{mods.label if mods else ''}]",
+                           label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
+                                 f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{mods.label if mods else ''}]",
                            archs=ARCHS)
 
     def envelope_errors(self, D: int) -> list[str]:
@@ -112,9 +115,10 @@ class FA3WarpSpecialized(FA3Wgmma):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto"):
+    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
+                  exp2_fma=0):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
-                        TCConfig(philox_rounds=philox_rounds), bwd_kernel)
+                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -190,6 +194,9 @@ PARAMS = (
           "warpgroup produces"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
+    Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
+          "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
+          "score modifier's tanh also needs; 0: every exp2 on MUFU"),
 )
 
 register(Variant(
