@@ -109,7 +109,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
+               float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS      // MOD_PARAMS: modifiers only (tc_mods.cuh)
                VARLEN_PARAMS) {                          // packed sequences only (FA_VARLEN, above)
     constexpr int THREADS = WARPS * 32;
@@ -207,20 +207,18 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #ifdef FA_MODS
         // modifiers: the score modifier on every element (the mask's -inf after it), the row range checked
         // in every tile that crosses Nq or Nk (a buffer indexed by i or j must not be read past its end)
-        const float sscale = mod_softmax_scale(scale_log2);
         mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow,
                    col0 + wcol, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
-        const float sscale = scale_log2;
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);
 #endif
         if constexpr (SPLIT_Q) {
-            online_softmax(s, m, l, o, sscale);
+            online_softmax(s, m, l, o, scale_log2);
         } else {
             float mx[MT][2];
             row_max(s, mx);
             agree_row_max<WARPS, BR>(mx, xm, warp, g, tq);   // read before the barrier below: xm is free again
-            softmax_update(s, m, l, o, mx, sscale);
+            softmax_update(s, m, l, o, mx, scale_log2);
         }
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0 + wcol, g, tq);
 

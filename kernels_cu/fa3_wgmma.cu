@@ -37,7 +37,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
                   float* __restrict__ LSE,                  // [B, Hq, Nq]
                   const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                   int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-                  float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
+                  float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
                   MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WG * 128, BR = WG * 64;
     constexpr int NT = BC / 8, ND = D / 8;
@@ -101,11 +101,10 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
         // modifiers (tc_mods.cuh): as fa2_tc.cu, on the same C layout
         mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow, col0,
                    Nq, Nk, g, tq, MOD_FN_ARGS);
-        online_softmax(s, m, l, o, mod_softmax_scale(scale_log2));
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-        online_softmax(s, m, l, o, scale_log2);
 #endif
+        online_softmax(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         unsigned pa[BC / 16][4];
         p_operands<T>(pa, s);

@@ -60,7 +60,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scale * log2(e) > 0 (the host negates K for scale < 0)
+               float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
     constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;          // bytes of one 64-column panel
@@ -148,15 +148,13 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
             mod_scores(s, walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h,
                        row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
-            const float sscale = mod_softmax_scale(scale_log2);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
                 mask_scores(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-            const float sscale = scale_log2;
 #endif
             float mx[1][2];
             row_max(s, mx);
-            softmax_scores(s, m, l, mx, sscale, corr);
+            softmax_scores(s, m, l, mx, scale_log2, corr);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         };
 

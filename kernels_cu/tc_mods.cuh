@@ -17,6 +17,8 @@
 //   FA_SM_PARAMS / FA_SM_ARGS   the score modifier's buffers as kernel parameters (", const float*
 //                       __restrict__ sm_cap, int sm_cap_shape0") and as the call's arguments (", sm_cap,
 //                       sm_cap_shape0"); FA_MM_PARAMS / FA_MM_ARGS the mask modifier's (prefix mm_).
+// The forward kernels' scale_log2 argument is the factor from the scores their softmax sees to log2 units
+// (mod_scores, below), so the softmax code is the same with and without modifiers.
 // Semantics (sandbox/modifiers.py, docs/ARCHITECTURE.md "Score and mask modifiers"): the modifier sees
 // the scaled score s = scale q.k in natural units and indices (b, h, i, j) with h the query head and
 // i, j raw positions; the mask modifier is ANDed with causal, window and the block mask; a sink joins
@@ -92,8 +94,10 @@ __device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int 
 }
 
 // The forward's scores after the modifiers, in place: with a score modifier, mod(mod_scale s) in natural
-// units (the caller's softmax then takes LOG2E as its scale); without one the raw scores (its scale
-// stays scale log2 e). -inf where invisible: out of range, the band / block mask or the mask modifier
+// units, and the kernel's scale_log2 argument is the host's log2 e (variants/fa2_tc.py forward_scale_log2);
+// without one the raw scores, scale_log2 = |scale| log2 e. A factored modifier (post core(pre s),
+// sandbox/modifiers.py cuda_factored) compiles core as score_mod; the host passes mod_scale = |scale| pre
+// and scale_log2 = post log2 e, so that the softmax's one FFMA applies post. -inf where invisible: out of range, the band / block mask or the mask modifier
 // (in tiles that are not `full`: a full tile has every element in range and visible). A full tile
 // runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
 // without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
@@ -136,14 +140,6 @@ __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, con
             }
 }
 
-// The softmax's factor from the scores mod_scores leaves to log2 units.
-__device__ __forceinline__ float mod_softmax_scale(float scale_log2) {
-#ifdef FA_SCORE_MOD
-    return LOG2E;
-#else
-    return scale_log2;
-#endif
-}
 
 // Sinks: the running max m (log2 units) and the lane partial sums l take the sink logit sink_h in, with O
 // rescaled to the new max, so that write_output divides by sum_j 2^(s_j - m) + 2^(sink - m) and writes

@@ -75,6 +75,13 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
             }
 }
 
+// Row reductions (max, sum) run as CHAINS independent accumulators over the n8 blocks, combined at the
+// end: a single running fmaxf / FADD over a row's 2 NT elements is a dependent chain of 2 NT
+// instructions (64 at Bc = 128, ~4 cycles each) that the warp waits on; with two consumer warps per
+// scheduler (fa3_ws.cu) there is little else to issue meanwhile (Nsight Compute, fa3 d = 64: issue
+// slots ~44% busy, the MUFU pipe ~40%, most stall cycles "wait", i.e. fixed-latency dependencies).
+#define CHAINS 4
+
 // The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
 // holds it); -inf where nothing is visible.
 template <int MT, int NT>
@@ -83,9 +90,12 @@ __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            float x = NEG_INF;
+            float acc[CHAINS];
 #pragma unroll
-            for (int n = 0; n < NT; ++n) x = fmaxf(x, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
+            for (int c = 0; c < CHAINS; ++c) acc[c] = NEG_INF;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) acc[n % CHAINS] = fmaxf(acc[n % CHAINS], fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
+            float x = fmaxf(fmaxf(acc[0], acc[1]), fmaxf(acc[2], acc[3]));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             mx[mt][hr] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
         }
@@ -128,16 +138,16 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
             const float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
-            float sum = 0.0f;
+            float acc[CHAINS] = {};
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
                     const float p = softmax_exp2(fmaf(s[mt][n][e], scale_log2, -m_use), n);
                     s[mt][n][e] = p;
-                    sum += p;
+                    acc[n % CHAINS] += p;
                 }
-            l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
+            l[mt][hr] = l[mt][hr] * corr[mt][hr] + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
             m[mt][hr] = m_new;
         }
 }

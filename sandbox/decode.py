@@ -137,7 +137,10 @@ PIPES = (1, 0)                    # PIPE of decode_splitkv: 1 the cp.async ring 
 DEFAULT_PIPE = int(os.environ.get("SANDBOX_DECODE_PIPE", "1"))   # 0: fall back to the register path
 DEFAULT_FUSED = int(os.environ.get("SANDBOX_DECODE_FUSED", "1"))  # 0: split kernel + decode_merge (two launches)
 L2_POLICIES = ("first", "normal")  # the L2 eviction priority of the streamed K/V (kernel argument evict_first)
-DEFAULT_L2 = os.environ.get("SANDBOX_DECODE_L2", "first")
+# "normal" by default: measured on the H100 (B = 8, Hq 32 / Hkv 8, d = 128, fp16, one run each), 0.373 vs
+# 0.384 ms at N = 32k and 2.844 vs 2.868 ms at 256k, and 0.372 vs 0.384 ms at B = 1, 256k (session 4):
+# the evict-first hint costs 1-3% where nothing else wants the L2 (bench/results/h100/2026-11-26-session-6.md)
+DEFAULT_L2 = os.environ.get("SANDBOX_DECODE_L2", "normal")
 WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
@@ -363,7 +366,7 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     1). fused: 1 one launch (the last block of each sequence and row tile merges the splits; one split
     writes out directly), 0 the split kernel and decode_merge (None: DEFAULT_FUSED,
     SANDBOX_DECODE_FUSED or 1). l2: the L2 priority of the K/V stream, "first" (evict-first) or
-    "normal" (None: DEFAULT_L2, SANDBOX_DECODE_L2 or "first")."""
+    "normal" (None: DEFAULT_L2, SANDBOX_DECODE_L2 or "normal")."""
     import cupy as xp
     from .launch import f32, i32, i64, strides4
     B, Hq, Nq, d = q.shape

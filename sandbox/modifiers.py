@@ -20,6 +20,13 @@ Each is declared once, in the forms the backends need:
   a small relative error (kernels_cu/tc_mods.cuh). The text
   "s" is the identity: the kernels compile no score modifier for it (sinks alone).
 
+A score modifier of the form mod(s) = post * core(pre * s) with host numbers pre, post > 0 (the
+soft-cap: cap * tanh(s / cap)) may also give `cuda_factored=(core text, pre, post)`: the forward kernels
+then fold pre into the score's scale and post into the softmax's (one FFMA per element already), so
+an element pays for core alone, two instructions fewer for the soft-cap in a softmax that is bound by
+its instruction count (docs/ARCHITECTURE.md). The backward keeps the `cuda` text; the fuzzer checks the
+forward, hence the factored text, against the NumPy form like any other.
+
 The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
 modifier without them is forward-only, and a backward with it is refused (ValueError).
 
@@ -53,6 +60,19 @@ import numpy as np
 
 MAX_BUFFERS = 4                    # captured arrays per modifier (the Numba kernels pass a fixed number)
 RESERVED = ("s", "b", "h", "i", "j", "fi", "fj")
+
+
+def _factored(value, where):
+    if not isinstance(value, tuple) or len(value) != 3:
+        raise TypeError(f"{where}: cuda_factored must be a tuple (core CUDA text, pre, post), got {value!r}")
+    core, pre, post = value
+    _text(core, f"{where}: cuda_factored core")
+    pre, post = _real(pre, f"{where}: cuda_factored pre"), _real(post, f"{where}: cuda_factored post")
+    for v, nm in ((pre, "pre"), (post, "post")):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{where}: cuda_factored {nm} must be a finite number > 0 (the kernels take the row "
+                             f"max of core(pre s) for that of post core(pre s)), got {v}")
+    return (core, pre, post)
 
 
 def _callable(value, what, optional=False):
@@ -143,10 +163,13 @@ class ScoreMod:
     sink: np.ndarray | None = None
     check: Callable | None = None
     params: dict = dataclasses.field(default_factory=dict)     # for repr only
+    cuda_factored: tuple | None = None     # (core text, pre, post): mod(s) = post * core(pre * s), pre, post > 0
 
     def __post_init__(self):
         _name(self.name, "ScoreMod")
         where = f"ScoreMod {self.name!r}"
+        if self.cuda_factored is not None:
+            object.__setattr__(self, "cuda_factored", _factored(self.cuda_factored, where))
         _callable(self.numpy, f"{where}: numpy")
         _scalar_form(self.scalar, f"{where}: scalar")
         _text(self.cuda, f"{where}: cuda")
@@ -224,7 +247,13 @@ class ScoreMod:
     @property
     def cuda_key(self) -> str:
         """A module-cache key from the modifier's CUDA text (and its buffers' names and types)."""
-        return hashlib.sha256(self.cuda_function().encode()).hexdigest()[:16]
+        core = self.cuda_factored[0] if self.cuda_factored is not None else ""
+        return hashlib.sha256((self.cuda_function() + core).encode()).hexdigest()[:16]
+
+    def forward_scales(self) -> tuple[float, float]:
+        """(pre, post) of the factored form, (1, 1) without one: the forward kernel multiplies the score
+        by |scale| * pre before the compiled text and the softmax takes post * log2 e as its factor."""
+        return self.cuda_factored[1:] if self.cuda_factored is not None else (1.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -353,9 +382,13 @@ def softcap(cap) -> ScoreMod:
     # (fa_tanh: MUFU.TANH, one op; libdevice's tanhf is a branchy exp / division / polynomial sequence).
     # The derivative is fa_sech2, not 1 - fa_tanh^2: the approximate tanh's absolute error (2^-11) is
     # larger than sech^2 itself where tanh saturates (kernels_cu/tc_mods.cuh).
+    # The forward compiles the factored form: fa_tanh(s) with 1 / cap folded into the score's scale and cap
+    # into the softmax's, 2 FMULs per element fewer than the text (cap is a host number there, so each cap
+    # reuses one module: the values travel as kernel arguments).
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
-                    buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap})
+                    buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
+                    cuda_factored=("fa_tanh(s)", 1.0 / cap, cap))
 
 
 def _ones_np(s, b, h, i, j, *buffers, **named):
@@ -602,8 +635,10 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
             raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
         if not score_mod.is_identity:        # the identity (sinks alone): no FA_SCORE_MOD, the fast path
             opts.append("-DFA_SCORE_MOD=1")
-            funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(score_mod.cuda, where), score_mod.buffers,
-                                  floats=True))
+            # a forward module compiles the factored core where there is one (the host passes the scales);
+            # a backward module the whole text (its kernels take |scale| and log2 e as they are)
+            text = score_mod.cuda if backward or score_mod.cuda_factored is None else score_mod.cuda_factored[0]
+            funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(text, where), score_mod.buffers, floats=True))
             if backward:
                 opts.append("-DFA_SCORE_MOD_GRAD=1")
                 funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(score_mod.cuda_grad, where),

@@ -297,9 +297,9 @@ def test_fused_and_two_launch_merges_agree(paged):
 
 
 @pytest.mark.parametrize("hq,nq", [(8, 1), (8, 2)], ids=["rows4", "rows8"])
-def test_register_path_and_normal_l2_priority(hq, nq):
+def test_register_path_and_both_l2_priorities(hq, nq):
     """The switches the bench compares (SANDBOX_DECODE_PIPE=0: the register load path;
-    SANDBOX_DECODE_L2=normal: no evict-first hint) on the one-launch form, paged and ragged."""
+    SANDBOX_DECODE_L2=first: the evict-first hint, normal the default) on the one-launch form, paged and ragged."""
     import cupy as cp
     from sandbox import arrays
     lens = [6000, 1, 2500]

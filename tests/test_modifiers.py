@@ -431,3 +431,43 @@ def test_fuzz_counts_the_features_of_each_checked_case():
     assert fuzz.features(case) == ["causal", "dropout", "gqa", "head_dim>128", "score_mod:softcap",
                                    "score_mod:sinks", "mask_mod:prefix_lm"]
     assert fuzz.features(fuzz.Case(1, 1, 1, 5, 5, 16, "float32", {"dropout_p": 0.0}, 0)) == []
+
+
+# ---- the factored form (cuda_factored): post * core(pre * s), folded into the forward's scales
+
+def test_softcap_forward_compiles_its_factored_core_and_the_backward_its_text():
+    cap = modifiers.softcap(7.0)
+    assert cap.cuda_factored == ("fa_tanh(s)", 1.0 / 7.0, 7.0) and cap.forward_scales() == (1.0 / 7.0, 7.0)
+    fwd = " ".join(modifiers.cuda_defines(cap, None, backward=False))
+    bwd = " ".join(modifiers.cuda_defines(cap, None, backward=True))
+    assert "return fa_tanh(s);" in fwd and "cap[0] * fa_tanh(s * cap[1])" not in fwd
+    assert "cap[0] * fa_tanh(s * cap[1])" in bwd and "fa_sech2" in bwd
+    assert modifiers.alibi([0.5]).forward_scales() == (1.0, 1.0)
+    # one module for every cap: the factor travels as a kernel argument, not as text
+    assert modifiers.cuda_defines(modifiers.softcap(2.0), None) == modifiers.cuda_defines(cap, None)
+
+
+def test_factored_scales_reach_the_forward_arguments_only():
+    from variants.fa2_tc import LOG2E, forward_scale_log2, modifier_args, scale_log2
+    q = np.zeros((1, 2, 4, 8), np.float16)
+    p = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=modifiers.softcap(4.0))
+    assert np.float32(modifier_args(p, 1, forward=True)[1]) == np.float32(0.5 / 4.0)
+    assert np.float32(modifier_args(p, 1)[1]) == np.float32(0.5)                      # the backward's |scale|
+    assert forward_scale_log2(p) == pytest.approx(4.0 * LOG2E)
+    alibi = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=modifiers.alibi([0.1]))
+    assert forward_scale_log2(alibi) == pytest.approx(LOG2E) and modifier_args(alibi, 1, forward=True)[1] == 0.5
+    sinks = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=modifiers.sinks([0.3]))
+    assert forward_scale_log2(sinks) == scale_log2(-0.5)          # raw scores: the identity compiles nothing
+
+
+@pytest.mark.parametrize("factored,error,match", [
+    ("fa_tanh(s)", TypeError, "cuda_factored must be a tuple"),
+    (("fa_tanh(s)", 1.0), TypeError, "cuda_factored must be a tuple"),
+    (("fa_tanh(s)", 0.0, 1.0), ValueError, "pre must be a finite number > 0"),
+    (("fa_tanh(s)", 1.0, -2.0), ValueError, "post must be a finite number > 0"),
+    (("fa_tanh(s)", 1.0, float("inf")), ValueError, "post must be"),
+    (("fa_tanh(s)", "1", 1.0), TypeError, "pre must be a real number"),
+])
+def test_factored_form_is_validated(factored, error, match):
+    with pytest.raises(error, match=match):
+        ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored=factored)

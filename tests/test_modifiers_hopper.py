@@ -68,7 +68,7 @@ def test_units_without_modifiers_are_unchanged(name, kw):
 def test_kernels_take_mod_params_after_the_dropout_params(source):
     text = (ROOT / "kernels_cu" / source).read_text()
     assert '#include "tc_mods.cuh"' in text and re.search(r"MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS\)", text)
-    for call in ("mod_scores(", "fold_sinks(", "mod_tile_index(", "mod_softmax_scale("):
+    for call in ("mod_scores(", "fold_sinks(", "mod_tile_index("):
         assert call in text, call
 
 
@@ -86,7 +86,8 @@ def test_forward_arguments_match_the_kernel_parameters(name, sm_name, mm_name):
     tiles, heads, rest = forward_tiles(p, cfg, D, mods, None)
     got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in rest]
     assert got == _declared_params(mods.options)
-    assert rest[1] == np.float32(0.3)                         # |scale|: K is negated on the host
+    pre = sm.forward_scales()[0] if sm is not None else 1.0   # a factored modifier (softcap): |scale| pre
+    assert rest[1] == np.float32(0.3 * pre)                   # |scale|: K is negated on the host
     grid = (-(-NQ // cfg.block_r), -(-NK // cfg.bc(D)))
     if mm is None:
         assert int(rest[0]) == 1 and tiles.shape[1:] == grid
@@ -283,3 +284,19 @@ def test_modifiers_fuzzed_against_oracle(gpu_built, dtype):
         fuzz.assert_case(bound, case, "backward")
 
     check()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa3", "fa3-wgmma", "fa2-tc"])
+def test_the_oracle_checks_the_factored_form(name):
+    """The forward compiles a factored modifier's core (cuda_factored) with its scales folded into the
+    kernel's; a factored form that disagrees with the NumPy one (post off by 10%) fails the oracle check,
+    and the soft-cap's own passes, forward and backward (whose module compiles the whole text)."""
+    import dataclasses
+    good = M.softcap(3.0)
+    bad = dataclasses.replace(good, name="softcap_bad_post", cuda_factored=("fa_tanh(s)", 1.0 / 3.0, 3.3))
+    case = fuzz.Case(1, 2, 2, 70, 90, 64, "float16", {"score_mod": bad, "causal": True}, 0, logit_scale=4.0)
+    verdicts = {v.name: v for v in fuzz.check_case(get_variant(name), case, "forward")}
+    assert not verdicts["out"].ok and not verdicts["lse"].ok
+    fuzz.assert_case(get_variant(name), dataclasses.replace(case, options={"score_mod": good, "causal": True}),
+                     "backward")

@@ -353,12 +353,24 @@ def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
     return _device_copy(table, xp), i32(Hm), i32(Bm)
 
 
-def modifier_args(p, tile_b, xp=None) -> tuple:
+def forward_scale_log2(p) -> float:
+    """The forward kernels' scale_log2 argument: the factor that takes the scores their softmax sees to log2
+    units. Raw scores (no score modifier, or sinks alone): |scale| log2 e; a score modifier's output (natural
+    units): log2 e, times the post factor of its factored form (modifiers.ScoreMod.cuda_factored)."""
+    sm = p.score_mod
+    if sm is None or sm.is_identity:
+        return scale_log2(p.scale)
+    return LOG2E * sm.forward_scales()[1]
+
+
+def modifier_args(p, tile_b, xp=None, forward: bool = False) -> tuple:
     """MOD_PARAMS of kernels_cu/tc_mods.cuh after DROPOUT_PARAMS: the tile table's batch extent, |scale|
-    (the forward's modifier sees |scale| q.(-k) = scale q.k where the host negated K), the sink logits
-    [Hq] (float32), then each buffer of the score modifier and of the mask modifier in declaration
-    order as the kernel's type (modifiers.cuda_buffers) followed by its shape (int32 each)."""
-    args = (i32(tile_b), f32(abs(p.scale)), _device_copy(modifiers.sink_vector(p.score_mod, p.Hq), xp))
+    (the forward's modifier sees |scale| q.(-k) = scale q.k where the host negated K; a forward module
+    of a factored modifier, `forward`, takes |scale| pre), the sink logits [Hq] (float32), then each
+    buffer of the score modifier and of the mask modifier in declaration order as the kernel's type
+    (modifiers.cuda_buffers) followed by its shape (int32 each)."""
+    pre = p.score_mod.forward_scales()[0] if forward and p.score_mod is not None else 1.0
+    args = (i32(tile_b), f32(abs(p.scale) * pre), _device_copy(modifiers.sink_vector(p.score_mod, p.Hq), xp))
     for mod in (p.score_mod, p.mask_mod):
         if mod is not None:
             for arr in modifiers.cuda_buffers(mod):
@@ -588,7 +600,8 @@ class FA2TensorCore:
         launch(unit, name, (-(-p.Nq // config.block_r), p.B * p.Hq), (32 * config.warps,),
                (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse,
                 tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p), *modifier_args(p, tile_b, xp)),
+                f32(forward_scale_log2(p)), *mask_args(p, xp), *dropout_args(p),
+                *modifier_args(p, tile_b, xp, forward=True)),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 

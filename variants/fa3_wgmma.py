@@ -41,7 +41,7 @@ from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, 
 
 from . import fa3_backward
 from .fa2_tc import CTYPE, ITEMSIZE, MAX_FLOAT_POSITION, FA2TensorCore, ModKernel, TCConfig, _check_aligned, \
-    _check_row_strides, _dropout_slots, check_alignment, modifier_args, modifier_tiles, scale_log2
+    _check_row_strides, _dropout_slots, check_alignment, forward_scale_log2, modifier_args, modifier_tiles, scale_log2
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 ARCHS = ("sm_90a",)          # wgmma.mma_async: the architecture-specific target
@@ -132,7 +132,7 @@ def forward_tiles(p, config, D, mods, xp) -> tuple:
             modifier_tiles(p, config.block_r, config.bc(D))[:2]
         return (*table, ())
     tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D), xp)
-    return tiles, tile_heads, modifier_args(p, tile_b, xp)
+    return tiles, tile_heads, modifier_args(p, tile_b, xp, forward=True)
 
 
 # ---- config
@@ -289,7 +289,7 @@ class FA3Wgmma(FA2TensorCore):
         launch(unit, name, grid, (32 * config.warps,),
                (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], out, lse, *scratch,
                 tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                f32(scale_log2(p.scale)), *mask_args(p, xp), *dropout_args(p), *mod_rest),
+                f32(forward_scale_log2(p)), *mask_args(p, xp), *dropout_args(p), *mod_rest),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 

@@ -31,7 +31,7 @@ from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mas
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
-from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, scale_log2
+from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, forward_scale_log2
 from .fa2_tc import ModKernel
 from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, forward_tiles, has_mods, register_errors
 
@@ -135,7 +135,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         D, dropout = d_pad(p.d), p.dropout_p > 0
         tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp)
         return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                       f32(scale_log2(p.scale)), *mask_args(p, xp)), D, dropout, mod_rest
+                       f32(forward_scale_log2(p)), *mask_args(p, xp)), D, dropout, mod_rest
 
     def launch(self, p, q, k, v, config, grid, scratch=()):
         import cupy as xp
