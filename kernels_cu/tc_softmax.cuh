@@ -80,7 +80,19 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 // instructions (64 at Bc = 128, ~4 cycles each) that the warp waits on; with two consumer warps per
 // scheduler (fa3_ws.cu) there is little else to issue meanwhile (Nsight Compute, fa3 d = 64: issue
 // slots ~44% busy, the MUFU pipe ~40%, most stall cycles "wait", i.e. fixed-latency dependencies).
-#define CHAINS 4
+#ifndef FA_CHAINS
+#define FA_CHAINS 4
+#endif
+#define CHAINS FA_CHAINS
+
+// The CHAINS accumulators combined pairwise.
+template <typename Op>
+__device__ __forceinline__ float combine_chains(const float (&acc)[CHAINS], Op op) {
+    float x = acc[0];
+#pragma unroll
+    for (int c = 1; c < CHAINS; c += 2) x = op(x, c + 1 < CHAINS ? op(acc[c], acc[c + 1]) : acc[c]);
+    return x;
+}
 
 // The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
 // holds it); -inf where nothing is visible.
@@ -95,7 +107,7 @@ __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)
             for (int c = 0; c < CHAINS; ++c) acc[c] = NEG_INF;
 #pragma unroll
             for (int n = 0; n < NT; ++n) acc[n % CHAINS] = fmaxf(acc[n % CHAINS], fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
-            float x = fmaxf(fmaxf(acc[0], acc[1]), fmaxf(acc[2], acc[3]));
+            float x = combine_chains(acc, [](float u, float w) { return fmaxf(u, w); });
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             mx[mt][hr] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
         }
@@ -147,7 +159,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
                     s[mt][n][e] = p;
                     acc[n % CHAINS] += p;
                 }
-            l[mt][hr] = l[mt][hr] * corr[mt][hr] + ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            l[mt][hr] = l[mt][hr] * corr[mt][hr] + combine_chains(acc, [](float u, float w) { return u + w; });
             m[mt][hr] = m_new;
         }
 }
