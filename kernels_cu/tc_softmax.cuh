@@ -75,25 +75,12 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
             }
 }
 
-// Row reductions (max, sum) run as CHAINS independent accumulators over the n8 blocks, combined at the
-// end: a single running fmaxf / FADD over a row's 2 NT elements is a dependent chain of 2 NT
-// instructions (64 at Bc = 128, ~4 cycles each) that the warp waits on; with two consumer warps per
-// scheduler (fa3_ws.cu) there is little else to issue meanwhile (Nsight Compute, fa3 d = 64: issue
-// slots ~44% busy, the MUFU pipe ~40%, most stall cycles "wait", i.e. fixed-latency dependencies).
-#ifndef FA_CHAINS
-#define FA_CHAINS 4
-#endif
-#define CHAINS FA_CHAINS
-
-// The CHAINS accumulators combined pairwise.
-template <typename Op>
-__device__ __forceinline__ float combine_chains(const float (&acc)[CHAINS], Op op) {
-    float x = acc[0];
-#pragma unroll
-    for (int c = 1; c < CHAINS; c += 2) x = op(x, c + 1 < CHAINS ? op(acc[c], acc[c + 1]) : acc[c]);
-    return x;
-}
-
+// Row reductions (here and softmax_scores' sum) run as one dependent chain over the n8 blocks. Four
+// independent chains combined at the end (shorter dependencies: Nsight Compute puts most of fa3's stall
+// cycles at d = 64 on "wait", fixed-latency dependencies, with issue slots ~44% busy) measured 11-13%
+// SLOWER for fa3's forward at d = 64 (H200, same run, 2026-11-26; bench/results/h100/2026-11-26-session-6.md),
+// so the single chain stays.
+//
 // The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
 // holds it); -inf where nothing is visible.
 template <int MT, int NT>
@@ -102,12 +89,9 @@ __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            float acc[CHAINS];
+            float x = NEG_INF;
 #pragma unroll
-            for (int c = 0; c < CHAINS; ++c) acc[c] = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < NT; ++n) acc[n % CHAINS] = fmaxf(acc[n % CHAINS], fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
-            float x = combine_chains(acc, [](float u, float w) { return fmaxf(u, w); });
+            for (int n = 0; n < NT; ++n) x = fmaxf(x, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
             x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
             mx[mt][hr] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
         }
@@ -150,16 +134,16 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
             const float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
-            float acc[CHAINS] = {};
+            float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < NT; ++n)
 #pragma unroll
                 for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
                     const float p = softmax_exp2(fmaf(s[mt][n][e], scale_log2, -m_use), n);
                     s[mt][n][e] = p;
-                    acc[n % CHAINS] += p;
+                    sum += p;
                 }
-            l[mt][hr] = l[mt][hr] * corr[mt][hr] + combine_chains(acc, [](float u, float w) { return u + w; });
+            l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
             m[mt][hr] = m_new;
         }
 }
