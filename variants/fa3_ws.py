@@ -10,8 +10,12 @@ overlap of the softmax with the GEMMs; Algorithm 2).
            softmax of S_{j+1} under the second; `pingpong`: the two consumer warpgroups also take turns
            issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers), ring
-slots (`stages`), `overlap`, `philox_rounds`. Tensor maps: sandbox/tma.py (built per array on the host,
-passed by value through loader.PackedLaunch). The backward is fa2-tc's (mma.sync) with its defaults.
+slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
+polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
+with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
+Tensor maps: sandbox/tma.py (built per array on the host, passed by value through loader.PackedLaunch).
+The backward: `bwd_kernel` (fa3_wgmma.BWD_KERNEL; "auto" is wgmma2 at d <= 128 without modifiers, else
+fa2-tc's mma.sync backward with its defaults).
 Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 256, padded
 to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 80; the backward runs every
 head dim, fa2-tc's wide kernel past d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
@@ -218,5 +222,5 @@ register(Variant(
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
-                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}),
+                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
