@@ -22,7 +22,8 @@ importable and the backend takes the problem (else the cell says why).
 
 The kernel path follows sandbox.decode's switches: SANDBOX_DECODE_FUSED=0 times the two-launch form
 (split kernel + decode_merge) instead of the one-launch default, SANDBOX_DECODE_PIPE=0 the register
-load path, SANDBOX_DECODE_L2=normal the K/V stream without the evict-first L2 hint; the table's
+load path, SANDBOX_DECODE_L2=first the K/V stream with the evict-first L2 hint (normal priority is the
+default since 2026-11-26: 1-3% faster on the H100); the table's
 header and the JSON meta say which ran, and S is the split count of each row.
 
     python -m bench decode [--batches 1,8,64] [--seqlens 4096,16384,65536,262144] [--page-size 64]

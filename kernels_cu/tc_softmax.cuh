@@ -20,15 +20,17 @@
 // 2^x for x <= 0 on the FMA pipe (FA_EXP2_EMU, below): x = j + f with j = round(x) by the 1.5 * 2^23
 // shifter (two FADDs, no F2I / FRND, which share the MUFU's quarter rate), 2^f on [-1/2, 1/2] by a
 // degree-4 polynomial (a relative minimax fit with the constant held at exactly 1: 2.9e-6 relative error
-// in float32 Horner form, against 2^-11 for the fp16 rounding of P that follows), and j added to the
-// exponent field with one integer shift-add. x is clamped to -127 first: there j = -127 and f = 0 give
-// 1.0 (0x3F800000) minus 127 << 23 = +0 exactly, so -inf (a masked score, a row that saw nothing) gives
-// 0 as ex2.approx.ftz does (the epilogue's dead-row test needs l == 0); x in (-127, -126.5] gives
-// denormals (p >= 1 there), harmless. Seed context: FlashAttention-4 (Blackwell) splits the softmax's
-// exponentials between MUFU.EX2 and such a polynomial; the FA3 paper's Sec. 3.2 names the EX2 throughput
-// (3.9 TFLOP/s of MUFU against 989 of fp16 wgmma on the H100) as what its overlap hides.
+// in float32 Horner form, against 2^-11 for the fp16 rounding of P that follows), times 2^j built in the
+// exponent field from the shifter's low bits (one integer op) by one FMUL. x is first clamped to -127 by
+// max.NaN (a NaN stays NaN, as ex2.approx gives NaN for NaN: a NaN score must reach its row's output,
+// the NaN contract; fmaxf would turn it into -127): -inf (a masked score, a row that saw nothing) and
+// anything below give j = -127, 2^j = +0 and so exactly 0, as ex2.approx.ftz's flush does (the epilogue's
+// dead-row test needs l == 0); a NaN makes p NaN and the product NaN. Seed context: FlashAttention-4
+// (Blackwell) splits the softmax's exponentials between MUFU.EX2 and such a polynomial; the FA3 paper's
+// Sec. 3.2 names the EX2 throughput (3.9 TFLOP/s of MUFU against 989 of fp16 wgmma on the H100) as what
+// its overlap hides.
 __device__ __forceinline__ float exp2_fma(float x) {
-    x = fmaxf(x, -127.0f);
+    asm("max.NaN.f32 %0, %0, 0fC2FE0000;" : "+f"(x));   // max(x, -127), NaN if x is NaN (sm_80+)
     const float shifted = x + 12582912.0f;               // 1.5 * 2^23: round to nearest integer
     const float j = shifted - 12582912.0f;
     const float f = x - j;                                // [-1/2, 1/2]
@@ -36,7 +38,9 @@ __device__ __forceinline__ float exp2_fma(float x) {
     p = fmaf(p, f, 0.24024099f);
     p = fmaf(p, f, 0.69312418f);
     p = fmaf(p, f, 1.0f);
-    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));   // j's low bits: the exponent
+    // the shifter's bits are 0x4B400000 + j: (j + 127) << 23 is 2^j's bit pattern (0 for j = -127)
+    const unsigned e = (__float_as_uint(shifted) + (127u - 0x4B400000u)) << 23;
+    return p * __uint_as_float(e);
 }
 
 // FA_EXP2_EMU = k > 0 (an NVRTC -D option, the fa3 variants' `exp2_fma` parameter): the softmax's exp2 of

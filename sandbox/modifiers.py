@@ -60,6 +60,7 @@ import numpy as np
 
 MAX_BUFFERS = 4                    # captured arrays per modifier (the Numba kernels pass a fixed number)
 RESERVED = ("s", "b", "h", "i", "j", "fi", "fj")
+FACTOR_RANGE = (2.0 ** -64, 2.0 ** 64)    # a factored form's pre and post (ScoreMod.cuda_factored)
 
 
 def _factored(value, where):
@@ -69,9 +70,10 @@ def _factored(value, where):
     _text(core, f"{where}: cuda_factored core")
     pre, post = _real(pre, f"{where}: cuda_factored pre"), _real(post, f"{where}: cuda_factored post")
     for v, nm in ((pre, "pre"), (post, "post")):
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{where}: cuda_factored {nm} must be a finite number > 0 (the kernels take the row "
-                             f"max of core(pre s) for that of post core(pre s)), got {v}")
+        if not (FACTOR_RANGE[0] <= v <= FACTOR_RANGE[1]):
+            raise ValueError(f"{where}: cuda_factored {nm} must lie in [2^-64, 2^64] (> 0: the kernels take the "
+                             f"row max of core(pre s) for that of post core(pre s); bounded: the kernels get |scale| "
+                             f"pre and post log2 e as float32), got {v}")
     return (core, pre, post)
 
 
@@ -163,7 +165,9 @@ class ScoreMod:
     sink: np.ndarray | None = None
     check: Callable | None = None
     params: dict = dataclasses.field(default_factory=dict)     # for repr only
-    cuda_factored: tuple | None = None     # (core text, pre, post): mod(s) = post * core(pre * s), pre, post > 0
+    # (core text, pre, post): mod(s) = post * core(pre * s), pre and post in FACTOR_RANGE; a copy made with
+    # dataclasses.replace(mod, cuda=...) keeps it: replace both (the forward compiles the factored text)
+    cuda_factored: tuple | None = None
 
     def __post_init__(self):
         _name(self.name, "ScoreMod")
@@ -388,7 +392,7 @@ def softcap(cap) -> ScoreMod:
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
-                    cuda_factored=("fa_tanh(s)", 1.0 / cap, cap))
+                    cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1] else None)
 
 
 def _ones_np(s, b, h, i, j, *buffers, **named):

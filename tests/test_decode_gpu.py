@@ -305,7 +305,7 @@ def test_register_path_and_both_l2_priorities(hq, nq):
     lens = [6000, 1, 2500]
     q, _, _, kc, vc, table, full_k, full_v = _make(3, hq, 2, nq, 128, "float16", lens, 0, True, 64, 60 + hq)
     qd, kd, vd = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
-    for pipe, l2 in ((0, "normal"), (0, "first"), (1, "normal")):
+    for pipe, l2 in ((0, "normal"), (0, "first"), (1, "normal"), (1, "first")):
         lens_dev, table_dev, uni = decode._device_ints(np.array(lens), table, lambda a: cp.asarray(a.astype(np.int32)))
         with arrays.caller_stream(qd):
             out, lse = decode.splitkv(qd, kd, vd, lens_dev, max(lens), 1 / np.sqrt(128), decode.relative_band(True, None),

@@ -2,7 +2,7 @@
 parameter): every k-th n8 column block's 2^x by a degree-4 polynomial instead of MUFU.EX2.
 
 Without a GPU: a float32 model of exp2_fma built from the coefficients and clamp in the header itself (so an
-edit of either shows here) holds 2^x to 3e-6 relative error over the softmax's range and gives 0 for -inf;
+edit of either shows here), NaN kept holds 2^x to 3e-6 relative error over the softmax's range and gives 0 for -inf;
 the parameter adds one -D option and nothing at 0; the fa3 module with it compiles without spills.
 With a GPU: fa3 and fa3-ws with exp2_fma on, fuzzed against the oracle, forward and backward (the
 backward reads the forward's lse), with and without a soft-cap (the case the parameter is for).
@@ -32,18 +32,21 @@ def _coefficients():
 
 def exp2_fma_model(x):
     """exp2_fma step by step in float32 (NumPy rounds each float32 operation as the GPU does; fmaf's
-    single rounding is emulated in float64, exact for these operand sizes)."""
-    clamp = re.search(r"x = fmaxf\(x, (-[0-9.]+)f\);", HEADER.read_text()).group(1)
-    x = np.maximum(np.asarray(x, np.float32), np.float32(clamp))
-    shifted = (x + SHIFTER).astype(np.float32)
-    j = (shifted - SHIFTER).astype(np.float32)
-    f = (x - j).astype(np.float32)
-    c = _coefficients()
-    p = c[0]
-    for ck in c[1:]:
-        p = (p.astype(np.float64) * f.astype(np.float64) + np.float64(ck)).astype(np.float32)
-    bits = p.view(np.int32).astype(np.int64) + (shifted.view(np.int32).astype(np.int64) << 23)
-    return (bits & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    single rounding is emulated in float64, exact for these operand sizes). The clamp is PTX max.NaN:
+    NaN stays NaN (np.maximum propagates NaN the same way)."""
+    clamp = re.search(r"max\.NaN\.f32 %0, %0, 0f([0-9A-F]{8})", HEADER.read_text()).group(1)
+    x = np.maximum(np.asarray(x, np.float32), np.uint32(int(clamp, 16)).view(np.float32))
+    with np.errstate(invalid="ignore"):
+        shifted = (x + SHIFTER).astype(np.float32)
+        j = (shifted - SHIFTER).astype(np.float32)
+        f = (x - j).astype(np.float32)
+        c = _coefficients()
+        p = np.full_like(f, c[0])
+        for ck in c[1:]:
+            p = (p.astype(np.float64) * f.astype(np.float64) + np.float64(ck)).astype(np.float32)
+        e = ((shifted.view(np.uint32).astype(np.uint64) + np.uint64((127 - 0x4B400000) % 2**32)) << np.uint64(23)) \
+            & np.uint64(0xFFFFFFFF)
+        return (p * e.astype(np.uint32).view(np.float32)).astype(np.float32)
 
 
 def test_exp2_fma_model_is_accurate_over_the_softmax_range():
@@ -56,13 +59,18 @@ def test_exp2_fma_model_is_accurate_over_the_softmax_range():
 
 
 def test_exp2_fma_model_flushes_like_ex2_ftz():
-    """-inf (masked scores, dead rows: the epilogue tests l == 0) and everything below -127 give exactly 0,
-    never NaN (a first fit with 2^0 = 1 - 7e-7 borrowed into the sign bit at the clamp: NaN, caught here);
-    down to -126.5, non-negative denormals."""
-    zero = exp2_fma_model(np.float32([-np.inf, -1e30, -200.0, -127.0]))
+    """-inf (masked scores, dead rows: the epilogue tests l == 0) and everything below -126.5 give exactly 0,
+    never NaN (a first version, with 2^0 = 1 - 7e-7 and j added to p's exponent field, borrowed into the sign
+    bit at the clamp: NaN, caught here); -126 gives the smallest normal."""
+    zero = exp2_fma_model(np.float32([-np.inf, -1e30, -200.0, -127.0, -126.9, -126.6]))
     assert np.all(zero == 0.0) and not np.any(np.signbit(zero))
-    tiny = exp2_fma_model(np.float32([-126.99, -126.9, -126.6, -126.5]))
-    assert np.all(tiny >= 0.0) and np.all(tiny < np.float32(2.0) ** -126)
+    assert exp2_fma_model(np.float32([-126.0]))[0] == np.float32(2.0) ** -126
+
+
+def test_exp2_fma_model_keeps_nan():
+    """A NaN score must reach its row's output (the NaN contract, tests/test_gpu_nan.py); fmaxf as the clamp
+    turned it into 2^-127 = 0 (found in review). max.NaN keeps it, and the product with 2^j passes it on."""
+    assert np.all(np.isnan(exp2_fma_model(np.float32([np.nan, -np.nan]))))
 
 
 def test_parameter_sets_one_option():

@@ -86,8 +86,8 @@ def test_forward_arguments_match_the_kernel_parameters(name, sm_name, mm_name):
     tiles, heads, rest = forward_tiles(p, cfg, D, mods, None)
     got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in rest]
     assert got == _declared_params(mods.options)
-    pre = sm.forward_scales()[0] if sm is not None else 1.0   # a factored modifier (softcap): |scale| pre
-    assert rest[1] == np.float32(0.3 * pre)                   # |scale|: K is negated on the host
+    cap = sm.params.get("cap") if sm is not None else None    # the soft-cap's forward folds 1 / cap in
+    assert rest[1] == np.float32(0.3 / cap if cap else 0.3)   # |scale|: K is negated on the host
     grid = (-(-NQ // cfg.block_r), -(-NK // cfg.bc(D)))
     if mm is None:
         assert int(rest[0]) == 1 and tiles.shape[1:] == grid
