@@ -109,7 +109,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
+               float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS      // MOD_PARAMS: modifiers only (tc_mods.cuh)
                VARLEN_PARAMS) {                          // packed sequences only (FA_VARLEN, above)
     constexpr int THREADS = WARPS * 32;

@@ -37,7 +37,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
                   float* __restrict__ LSE,                  // [B, Hq, Nq]
                   const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                   int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-                  float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
+                  float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
                   MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int THREADS = WG * 128, BR = WG * 64;
     constexpr int NT = BC / 8, ND = D / 8;

@@ -60,7 +60,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-               float scale_log2,                         // scores to log2 units, > 0: |scale| log2 e (K negated for scale < 0); modifiers: tc_mods.cuh
+               float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
     constexpr int PANEL_Q = BR * 128, PANEL_KV = BC * 128;          // bytes of one 64-column panel

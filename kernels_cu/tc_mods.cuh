@@ -97,8 +97,9 @@ __device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int 
 // units, and the kernel's scale_log2 argument is the host's log2 e (variants/fa2_tc.py forward_scale_log2);
 // without one the raw scores, scale_log2 = |scale| log2 e. A factored modifier (post core(pre s),
 // sandbox/modifiers.py cuda_factored) compiles core as score_mod; the host passes mod_scale = |scale| pre
-// and scale_log2 = post log2 e, so that the softmax's one FFMA applies post. -inf where invisible: out of range, the band / block mask or the mask modifier
-// (in tiles that are not `full`: a full tile has every element in range and visible). A full tile
+// and scale_log2 = post log2 e, so that the softmax's one FFMA applies post. -inf where invisible: out of
+// range, the band / block mask or the mask modifier (in tiles that are not `full`: a full tile has every
+// element in range and visible). A full tile
 // runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
 // without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
 // (a buffer indexed by i or j must not be read past its end).
