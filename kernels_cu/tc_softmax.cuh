@@ -44,15 +44,16 @@ __device__ __forceinline__ float exp2_fma(float x) {
 }
 
 // FA_EXP2_EMU = k > 0 (an NVRTC -D option, the fa3 variants' `exp2_fma` parameter): the softmax's exp2 of
-// every k-th n8 column block runs exp2_fma on the FMA pipe, the rest MUFU.EX2. Where the EX2s, not the
-// GEMMs, bound a tile (d = 64; a score modifier's MUFU.TANH beside them), moving a fraction of them to the
-// idle FMA pipe (7 FMA-pipe instructions and 2 integer ones for one quarter-rate op) shortens the softmax.
+// every k-th n8 column block runs exp2_fma on the FMA pipe, the rest MUFU.EX2. The idea: where the EX2s
+// bound a tile (d = 64; a score modifier's MUFU.TANH beside them), move a fraction of them to the idle FMA
+// pipe. Measured slower at every k on the H100: the softmax is bound by its instructions per warp, not by
+// the MUFU pipe, and exp2_fma is about ten instructions for one (bench/results/h200/2026-11-26-session-6.md).
 #ifndef FA_EXP2_EMU
 #define FA_EXP2_EMU 0
 #endif
 __device__ __forceinline__ float softmax_exp2(float x, int n) {
-    if (FA_EXP2_EMU > 0 && n % (FA_EXP2_EMU > 0 ? FA_EXP2_EMU : 1) == (FA_EXP2_EMU > 0 ? FA_EXP2_EMU : 1) - 1)
-        return exp2_fma(x);
+    constexpr int K = FA_EXP2_EMU > 0 ? FA_EXP2_EMU : 1;
+    if (FA_EXP2_EMU > 0 && n % K == K - 1) return exp2_fma(x);
     return exp2_ftz(x);
 }
 
@@ -82,7 +83,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 // Row reductions (here and softmax_scores' sum) run as one dependent chain over the n8 blocks. Four
 // independent chains combined at the end (shorter dependencies: Nsight Compute puts most of fa3's stall
 // cycles at d = 64 on "wait", fixed-latency dependencies, with issue slots ~44% busy) measured 11-13%
-// SLOWER for fa3's forward at d = 64 (H200, same run, 2026-11-26; bench/results/h100/2026-11-26-session-6.md),
+// SLOWER for fa3's forward at d = 64 (H200, same run, 2026-11-26; bench/results/h200/2026-11-26-session-6.md),
 // so the single chain stays.
 //
 // The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad

@@ -139,7 +139,7 @@ DEFAULT_FUSED = int(os.environ.get("SANDBOX_DECODE_FUSED", "1"))  # 0: split ker
 L2_POLICIES = ("first", "normal")  # the L2 eviction priority of the streamed K/V (kernel argument evict_first)
 # "normal" by default: measured on the H100 (B = 8, Hq 32 / Hkv 8, d = 128, fp16, one run each), 0.373 vs
 # 0.384 ms at N = 32k and 2.844 vs 2.868 ms at 256k, and 0.372 vs 0.384 ms at B = 1, 256k (session 4):
-# the evict-first hint costs 1-3% where nothing else wants the L2 (bench/results/h100/2026-11-26-session-6.md)
+# the evict-first hint costs 1-3% where nothing else wants the L2 (bench/results/h200/2026-11-26-session-6.md)
 DEFAULT_L2 = os.environ.get("SANDBOX_DECODE_L2", "normal")
 WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634

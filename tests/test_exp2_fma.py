@@ -2,8 +2,9 @@
 parameter): every k-th n8 column block's 2^x by a degree-4 polynomial instead of MUFU.EX2.
 
 Without a GPU: a float32 model of exp2_fma built from the coefficients and clamp in the header itself (so an
-edit of either shows here), NaN kept holds 2^x to 3e-6 relative error over the softmax's range and gives 0 for -inf;
-the parameter adds one -D option and nothing at 0; the fa3 module with it compiles without spills.
+edit of either shows here) holds 2^x to 3e-6 relative error over the softmax's range, gives exactly 0 for
+-inf and keeps NaN; the parameter adds one -D option and nothing at 0; the fa3 module with it compiles
+without spills.
 With a GPU: fa3 and fa3-ws with exp2_fma on, fuzzed against the oracle, forward and backward (the
 backward reads the forward's lse), with and without a soft-cap (the case the parameter is for).
 """
