@@ -22,6 +22,7 @@ forward (and backward through autograd) timed the same way. Sinks have no flex_a
 Where PyTorch has no flex_attention or no CUDA, the flex rows are skipped with the reason.
 
     python -m bench modifiers [--seqlens 1024,4096,8192] [--headdims 64,128] [--variant NAME] [--no-flex]
+                              [--cases softcap,alibi]
 """
 from __future__ import annotations
 
@@ -173,19 +174,19 @@ def flex_check(case: str, out, q, k, v, H: int, N: int):
 
 # ---- the run
 
-def run(spec: str, seqlens, dims, reps) -> list[dict]:
+def run(spec: str, seqlens, dims, reps, cases=CASES) -> list[dict]:
     import cupy as cp
     bound = parse_variant(spec)[1]
     rows = []
     for d in dims:
         checks = {case: oracle_check(bound, DTYPE, d, "backward", n=CHECK_N, heads=CHECK_HEADS,
-                                     options=modifier_options(case, CHECK_HEADS, CHECK_N)) for case in CASES}
+                                     options=modifier_options(case, CHECK_HEADS, CHECK_N)) for case in cases}
         for n in seqlens:
             B, H = max(1, TOKENS // n), HIDDEN // d
             rng = cp.random.default_rng(n)
             q, k, v, do = (rng.standard_normal((B, H, n, d), dtype=cp.float32).astype(DTYPE) for _ in range(4))
             base = {}
-            for case in CASES:
+            for case in cases:
                 opts = modifier_options(case, H, n)
                 tf = check_then_time(lambda: checks[case], lambda: (lambda: sandbox.forward(q, k, v, variant=bound, **opts)),
                                      reps)
@@ -209,7 +210,7 @@ def _backward_call(bound, q, k, v, do, opts):
     return lambda: sandbox.backward(do, res)
 
 
-def run_flex(q, k, v, do, d, n, B, H, reps) -> list[dict]:
+def run_flex(q, k, v, do, d, n, B, H, reps, cases=CASES) -> list[dict]:
     """Per case: dynamo reset, a fresh compiled flex_attention, the block mask built once (outside the
     timed region), a warm-up call that must compile a graph (else the row fails: flex ran eager), the
     oracle check on that call's output, then forward and backward timed."""
@@ -217,7 +218,7 @@ def run_flex(q, k, v, do, d, n, B, H, reps) -> list[dict]:
     rows = []
     tq, tk, tv, tdo = (torch.as_tensor(x, device="cuda") for x in (q, k, v, do))
     base = {}
-    for case in CASES:
+    for case in cases:
         row = {"impl": "flex_attention", "case": case, "dtype": DTYPE, "N": n, "B": B, "H": H, "d": d}
         opts = modifier_options(case, H, n)
         args = flex_args(case, opts, B, H, n)
@@ -292,6 +293,8 @@ def add_arguments(ap):
     ap.add_argument("--variant", default=None,
                     help="a variant spec with the score_mod capability; default: the registry's (python -m bench plan modifiers)")
     ap.add_argument("--no-flex", dest="flex", action="store_false", help="skip the FlexAttention rows")
+    ap.add_argument("--cases", type=csv_of(allowed=CASES), default=CASES,
+                    help="a subset of the cases (plain causal, the base of the overheads, is always timed first)")
 
 
 def main(args, out: Path):
@@ -303,14 +306,15 @@ def main(args, out: Path):
     else:
         todo = series()
     note = flex_unavailable() if args.flex else "--no-flex"
-    rows = [r for spec in todo for r in run(spec, list(args.seqlens), list(args.headdims), args.reps)]
+    cases = ("causal",) + tuple(c for c in CASES if c in args.cases and c != "causal")
+    rows = [r for spec in todo for r in run(spec, list(args.seqlens), list(args.headdims), args.reps, cases)]
     if note is None:
-        rows += _flex_rows(list(args.seqlens), list(args.headdims), args.reps)
+        rows += _flex_rows(list(args.seqlens), list(args.headdims), args.reps, cases)
     write(out, "modifiers", "modifiers", stamp(variants=todo, flex=note or "torch.compile(flex_attention)"), rows,
           markdown(rows, note))
 
 
-def _flex_rows(seqlens, dims, reps) -> list[dict]:
+def _flex_rows(seqlens, dims, reps, cases=CASES) -> list[dict]:
     import cupy as cp
     rows = []
     for d in dims:
@@ -318,7 +322,7 @@ def _flex_rows(seqlens, dims, reps) -> list[dict]:
             B, H = max(1, TOKENS // n), HIDDEN // d
             rng = cp.random.default_rng(n)
             q, k, v, do = (rng.standard_normal((B, H, n, d), dtype=cp.float32).astype(DTYPE) for _ in range(4))
-            rows += run_flex(q, k, v, do, d, n, B, H, reps)
+            rows += run_flex(q, k, v, do, d, n, B, H, reps, cases)
     return rows
 
 

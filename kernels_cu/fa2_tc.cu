@@ -182,6 +182,9 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         m[mt][0] = m[mt][1] = NEG_INF;
         l[mt][0] = l[mt][1] = 0.0f;
     }
+#ifdef FA_DIST_BIAS
+    const float slope = dist_slope_raw(b, h, MOD_FN_ARGS);
+#endif
 
     while (t <= t1) {
         const int col0 = t * BC;
@@ -196,7 +199,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
         // S = Q K_t^T (fp32), this warp's RW rows x BC keys
         float s[MT][NT][4];
-        gemm_qk<T, D>(s, base.q, base.k);
+#ifdef FA_DIST_BIAS
+        seed_scores(s, slope, row0 + wrow, col0 + wcol, g, tq);   // tc_mods.cuh: the bias seeds S
+#endif
+        gemm_qk<T, D, FA_SEED_S>(s, base.q, base.k);
         __syncthreads();                              // every warp is done reading K_t
         const int next = next_live_tile(trow, t + 1, t1);
         if (STAGES == 2 && next <= t1) load_tile_async<T, BC, D, THREADS>(sK, Kb, k_sm, next * BC, Nk, dch);
@@ -207,7 +213,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #ifdef FA_MODS
         // modifiers: the score modifier on every element (the mask's -inf after it), the row range checked
         // in every tile that crosses Nq or Nk (a buffer indexed by i or j must not be read past its end)
-        mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow,
+        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow,
                    col0 + wcol, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);

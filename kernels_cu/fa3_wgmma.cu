@@ -74,6 +74,9 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
 
     float o[1][ND][4], m[1][2], l[1][2];
     zero_state(o, m, l);
+#ifdef FA_DIST_BIAS
+    const float slope = dist_slope_raw(b, h, MOD_FN_ARGS);   // tc_mods.cuh: the bias seeds S
+#endif
 
     while (t <= t1) {
         const int col0 = t * BC;
@@ -85,8 +88,11 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
 
         // S = Q K_t^T (fp32): this warpgroup's 64 rows x BC keys
         float s[1][NT][4];
+#ifdef FA_DIST_BIAS
+        seed_scores(s, slope, row0 + wrow, col0, g, tq);
+#endif
         wgmma_fence();
-        wg_gemm_qk<T, D, BC, BR>(s[0], sQ + wg * 64 * 128, sK);
+        wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(s[0], sQ + wg * 64 * 128, sK);
         wgmma_commit();
         wgmma_wait<0>();
         fence_accumulators(s[0]);
@@ -99,7 +105,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
         const int cls = trow[t];
 #ifdef FA_MODS
         // modifiers (tc_mods.cuh): as fa2_tc.cu, on the same C layout
-        mod_scores(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow, col0,
+        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h, row0 + wrow, col0,
                    Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);

@@ -139,6 +139,15 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const unsigned q_rows = sQ + c * 64 * 128;
         float o[1][ND][4], m[1][2], l[1][2];
         zero_state(o, m, l);
+#ifdef FA_DIST_BIAS
+        const float slope = dist_slope_raw(b, h, MOD_FN_ARGS);   // tc_mods.cuh: the bias seeds S
+#endif
+        // S's accumulator before its GEMM: the distance bias where there is one (tc_mods.cuh seed_scores)
+        auto seed = [&](float (&s)[1][NT][4], int t) {
+#ifdef FA_DIST_BIAS
+            seed_scores(s, slope, row0 + wrow, t * BC, g, tq);
+#endif
+        };
 
         // the scores of tile t, in registers: masked, softmaxed (O's rescale factor in corr), dropped out
         auto scores_to_p = [&](float (&s)[1][NT][4], int t, float (&corr)[1][2]) {
@@ -146,7 +155,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
 #ifdef FA_MODS
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
-            mod_scores(s, walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h,
+            mod_scores<FA_SEED_S>(s, walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h,
                        row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
@@ -166,9 +175,10 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 const unsigned parity = (it / STAGES) & 1;
                 float sc[1][NT][4], corr[1][2];
                 unsigned pa[BC / 16][4];
+                seed(sc, t);
                 mbar_wait(k_full + 8 * s, parity);
                 wgmma_fence();
-                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK + s * KV_BYTES);
+                wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK + s * KV_BYTES);
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_accumulators(sc[0]);
@@ -198,10 +208,11 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             unsigned parity = 0;
             {
                 float sc[1][NT][4], corr[1][2];
+                seed(sc, t);
                 mbar_wait(k_full, 0);
                 my_turn();
                 wgmma_fence();
-                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK);
+                wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK);
                 wgmma_commit();
                 your_turn();
                 wgmma_wait<0>();
@@ -215,11 +226,12 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 const int sn = it % STAGES;
                 const unsigned pn = (it / STAGES) & 1;
                 float sc[1][NT][4], corr[1][2];
+                seed(sc, tn);
                 mbar_wait(k_full + 8 * sn, pn);
                 mbar_wait(v_full + 8 * s, parity);
                 my_turn();
                 wgmma_fence();
-                wg_gemm_qk<T, D, BC, BR>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
+                wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
                 wgmma_commit();
                 wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);                  // O += P_j V_j
                 wgmma_commit();

@@ -98,15 +98,16 @@ __device__ __forceinline__ void load_panels_async(unsigned dst, const T* __restr
 // ---- the two GEMMs of one warpgroup (issued, committed; the caller waits)
 
 // s = Q_wg K^T: A = the warpgroup's 64 rows of the Q tile (at q_rows, panel stride QROWS * 128), B = the
-// BC keys of the K tile (K-major both); s is overwritten (the first k-step does not accumulate).
-template <typename T, int D, int BC, int QROWS>
+// BC keys of the K tile (K-major both); s is overwritten (the first k-step does not accumulate), or with
+// SEEDED added to (tc_mods.cuh seed_scores: a distance bias where the accumulator starts).
+template <typename T, int D, int BC, int QROWS, bool SEEDED = false>
 __device__ __forceinline__ void wg_gemm_qk(float (&s)[BC / 8][4], unsigned q_rows, unsigned k_tile) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned off = (kk % 4) * 32;                 // bytes into the 128-byte row
         const unsigned long long da = wgmma_desc(q_rows + (kk / 4) * QROWS * 128 + off, 16, 1024);
         const unsigned long long db = wgmma_desc(k_tile + (kk / 4) * BC * 128 + off, 16, 1024);
-        Wgmma<T, BC, false>::ss(s, da, db, kk > 0);
+        Wgmma<T, BC, false>::ss(s, da, db, SEEDED || kk > 0);
     }
 }
 

@@ -48,16 +48,19 @@ __device__ __forceinline__ TileBases tile_bases(const T* sQ, const T* sK, const 
             smem_addr(sV) + (((lane / 8) & 1) * 8 + r7) * ROWB + (((lane / 16) ^ r7) << 4)};
 }
 
-// s = Q K^T for this warp's 16 MT rows and the tile's 8 NT keys (fp32, overwritten).
-template <typename T, int D, int MT, int NT>
+// s = Q K^T for this warp's 16 MT rows and the tile's 8 NT keys (fp32, overwritten), or with SEEDED
+// s += Q K^T (tc_mods.cuh seed_scores: a distance bias where the accumulator starts).
+template <typename T, int D, bool SEEDED = false, int MT, int NT>
 __device__ __forceinline__ void gemm_qk(float (&s)[MT][NT][4], unsigned q_base, unsigned k_base) {
     constexpr int ROWB = D * 2;
+    if constexpr (!SEEDED) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+                for (int e = 0; e < 4; ++e) s[mt][n][e] = 0.0f;
+    }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         unsigned a[MT][4];

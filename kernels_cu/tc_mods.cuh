@@ -11,6 +11,12 @@
 //                       MUFU pipe the softmax's EX2 needs). An identity modifier (sinks alone) sets no
 //                       FA_SCORE_MOD: the kernel keeps its exp2 fast path (scale folded into one FFMA).
 //   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
+//   FA_DIST_BIAS        instead of FA_SCORE_MOD (forward builds only): the modifier is s + slope (j - i) (ALiBi),
+//                       with float dist_slope(int b, int h, buffers...); the scores stay raw (scale_log2 =
+//                       |scale| log2 e) and the bias in raw units, slope (j - i) / |scale|, is where the S
+//                       accumulator starts (seed_scores): one FFMA per element from an immediate instead of
+//                       the scale's FMUL, the distance's FADD and the slope's FFMA after the GEMM. A kernel
+//                       that seeds says so to mod_scores (SEEDED); one that does not fails to compile.
 //   FA_SINKS            a per-head sink logit in the softmax denominator (kernel argument mod_sink[Hq])
 //   FA_MASK_MOD         a mask modifier: bool mask_mod(int b, int h, int i, int j, buffers...)
 //   FA_MOD_FUNCS        the device functions above (the modifier's CUDA C text, on one line)
@@ -27,7 +33,10 @@
 // predicate and empty ones are never loaded.
 #pragma once
 
-#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD) || defined(FA_SINKS)
+#if defined(FA_SCORE_MOD) && defined(FA_DIST_BIAS)
+#error "FA_DIST_BIAS replaces FA_SCORE_MOD: define one of them"
+#endif
+#if defined(FA_SCORE_MOD) || defined(FA_DIST_BIAS) || defined(FA_MASK_MOD) || defined(FA_SINKS)
 #define FA_MODS 1
 #ifndef FA_SM_PARAMS
 #define FA_SM_PARAMS
@@ -93,6 +102,33 @@ __device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int 
 #endif
 }
 
+#ifdef FA_DIST_BIAS
+// The distance bias's slope in raw-score units, slope / |scale| (mod_scale = |scale|: a distance-bias module
+// has no factored scales), for this thread's (b, h).
+__device__ __forceinline__ float dist_slope_raw(int b, int h, MOD_FN_PARAMS) {
+    return dist_slope(b, h FA_SM_ARGS) / mod_scale;
+}
+
+// s = slope (j - i) on the C layout (rows row_base + g + 16 mt (+ 8), columns col0 + 2 tq + 8 n (+ 1)): one
+// FFMA per element, the per-element distance an immediate, its per-thread base formed once per tile. Exact
+// distances (|j - i| < 2^24, which the host checks for fi, fj); the bias is rounded twice, as the 1-ulp
+// relative error of float32 arithmetic allows.
+template <int MT, int NT>
+__device__ __forceinline__ void seed_scores(float (&s)[MT][NT][4], float slope, int row_base, int col0, int g, int tq) {
+    const float base = slope * (float)(col0 + 2 * tq - row_base - g);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[mt][n][e] = fmaf(slope, (float)(8 * n + (e & 1) - 16 * mt - (e >= 2 ? 8 : 0)), base);
+}
+#define FA_SEED_S true
+#else
+#define FA_SEED_S false
+#endif
+
 // The forward's scores after the modifiers, in place: with a score modifier, mod(mod_scale s) in natural
 // units, and the kernel's scale_log2 argument is the host's log2 e (variants/fa2_tc.py forward_scale_log2);
 // without one the raw scores, scale_log2 = |scale| log2 e. A factored modifier (post core(pre s),
@@ -103,10 +139,13 @@ __device__ __forceinline__ bool mod_visible(const Mask& mask, int b, int h, int 
 // runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
 // without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
 // (a buffer indexed by i or j must not be read past its end).
-template <int MT, int NT>
+template <bool SEEDED = false, int MT, int NT>
 __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, const Mask& mask, int b, int h,
                                            int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
-#ifdef FA_SCORE_MOD
+#if defined(FA_DIST_BIAS)
+    static_assert(SEEDED, "FA_DIST_BIAS: the kernel seeds its S accumulator (seed_scores) and says so (SEEDED)");
+    if (full) return;
+#elif defined(FA_SCORE_MOD)
     const float fi0 = (float)(row_base + g), fj0 = (float)(col0 + 2 * tq);   // + small constants: exact
     if (full) {
 #pragma unroll
@@ -170,4 +209,5 @@ __device__ __forceinline__ void fold_sinks(float (&o)[MT][ND][4], float (&m)[MT]
 
 #else
 #define MOD_PARAMS
+#define FA_SEED_S false
 #endif

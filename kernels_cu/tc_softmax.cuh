@@ -124,10 +124,20 @@ __device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int
         }
 }
 
+// Conditional rescaling (FlashAttention-4's, Blackwell; any online softmax may use it): a row keeps its
+// running max m while the tile's max exceeds it by at most RESCALE_SLACK (log2 units), so that its P is
+// at most 2^RESCALE_SLACK = 256 (exact in fp16 and bf16 as a range; fp32 O and l hold it easily) and its
+// rescale factor is exactly 1. O = sum P V / l and lse = m + log2 l hold for any m that is a common
+// reference of P and l, so the result is the same up to rounding. A warp whose rows all keep theirs skips
+// O's rescale (rescale_rows), which in fa3 sits between an O += P V completing and the next one issued.
+#ifndef FA_RESCALE_SLACK
+#define FA_RESCALE_SLACK 8.0f
+#endif
+
 // The online softmax update of the scores alone, for a tile whose raw row max is mx: new row max m
-// (log2 units), P = 2^(s scale_log2 - m) in place, l rescaled and added to, and the factor
-// corr = 2^(m_old - m) that O must be rescaled by (rescale_rows) before this tile's P V is added.
-// Apart from softmax_update so that a kernel can rescale O later, once an O += P V in flight
+// (log2 units; kept within the slack above), P = 2^(s scale_log2 - m) in place, l rescaled and added to,
+// and the factor corr = 2^(m_old - m) that O must be rescaled by (rescale_rows) before this tile's P V is
+// added. Apart from softmax_update so that a kernel can rescale O later, once an O += P V in flight
 // has completed (fa3_ws.cu's intra-warpgroup overlap). l holds this lane's partial row sums.
 template <int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
@@ -136,7 +146,9 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            const float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
+            float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
+            // keep m within the slack; false for m = -inf (NaN or +inf difference): the first visible tile
+            if (m_new - m[mt][hr] <= FA_RESCALE_SLACK) m_new = m[mt][hr];
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
             float sum = 0.0f;
@@ -153,9 +165,14 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
         }
 }
 
-// O's rows times their rescale factor.
+// O's rows times their rescale factor; nothing where every factor of the warp is 1 (conditional rescaling,
+// above: the usual case once the rows' maxima settle). Called by whole warps.
 template <int MT, int ND>
 __device__ __forceinline__ void rescale_rows(float (&o)[MT][ND][4], const float (&corr)[MT][2]) {
+    bool ones = true;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ones = ones && corr[mt][0] == 1.0f && corr[mt][1] == 1.0f;
+    if (__all_sync(0xffffffffu, ones)) return;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

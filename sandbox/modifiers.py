@@ -27,6 +27,12 @@ an element pays for core alone, two instructions fewer for the soft-cap in a sof
 its instruction count (docs/ARCHITECTURE.md). The backward keeps the `cuda` text; the fuzzer checks the
 forward, hence the factored text, against the NumPy form like any other.
 
+A score modifier of the form mod(s) = s + slope(b, h) * (j - i) (ALiBi) may instead give
+`cuda_distance_slope`, the CUDA C expression of slope in b, h and the buffers: the forward kernels then
+start the S accumulator at the bias (in raw-score units, slope / |scale| times the distance) and the
+GEMM adds q.k to it, one FFMA per element where the generic text costs three after the GEMM. The
+backward keeps the `cuda` text, and the fuzzer checks the forward against the NumPy form as before.
+
 The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
 modifier without them is forward-only, and a backward with it is refused (ValueError).
 
@@ -168,12 +174,20 @@ class ScoreMod:
     # (core text, pre, post): mod(s) = post * core(pre * s), pre and post in FACTOR_RANGE; a copy made with
     # dataclasses.replace(mod, cuda=...) keeps it: replace both (the forward compiles the factored text)
     cuda_factored: tuple | None = None
+    # CUDA text of slope(b, h, buffers) where mod(s) = s + slope * (j - i): the forward seeds S with the bias
+    # (module docstring); a replace() of cuda keeps it, as cuda_factored
+    cuda_distance_slope: str | None = None
 
     def __post_init__(self):
         _name(self.name, "ScoreMod")
         where = f"ScoreMod {self.name!r}"
         if self.cuda_factored is not None:
             object.__setattr__(self, "cuda_factored", _factored(self.cuda_factored, where))
+        if self.cuda_distance_slope is not None:
+            _text(self.cuda_distance_slope, f"{where}: cuda_distance_slope")
+            if self.cuda_factored is not None:
+                raise ValueError(f"{where}: give cuda_factored or cuda_distance_slope, not both (each is a whole "
+                                 "forward form of the modifier)")
         _callable(self.numpy, f"{where}: numpy")
         _scalar_form(self.scalar, f"{where}: scalar")
         _text(self.cuda, f"{where}: cuda")
@@ -252,7 +266,15 @@ class ScoreMod:
     def cuda_key(self) -> str:
         """A module-cache key from the modifier's CUDA text (and its buffers' names and types)."""
         core = self.cuda_factored[0] if self.cuda_factored is not None else ""
-        return hashlib.sha256((self.cuda_function() + core).encode()).hexdigest()[:16]
+        slope = self.cuda_distance_slope or ""
+        return hashlib.sha256((self.cuda_function() + core + "\0" + slope).encode()).hexdigest()[:16]
+
+    @property
+    def forward_raw(self) -> bool:
+        """The forward kernels' softmax sees raw scores (scale_log2 = |scale| log2 e): no score text is
+        compiled into the forward (the identity: sinks alone), or the bias is in the S accumulator
+        (cuda_distance_slope)."""
+        return self.is_identity or self.cuda_distance_slope is not None
 
     def forward_scales(self) -> tuple[float, float]:
         """(pre, post) of the factored form, (1, 1) without one: the forward kernel multiplies the score
@@ -319,10 +341,10 @@ class MaskMod:
 _C_TYPES = {"b": "unsigned char", "i": "int", "u": "int", "f": "float"}
 
 
-def _cuda_fn(fname, first, expr, buffers, result="float", floats=False):
+def _cuda_fn(fname, first, expr, buffers, result="float", floats=False, indices="int b, int h, int i, int j"):
     """A __device__ function of (s,) b, h, i, j, (with `floats`: fi, fj, the positions as floats) and
-    the buffers (pointers plus their shapes)."""
-    args = [f"{first}int b, int h, int i, int j" + (", float fi, float fj" if floats else "")]
+    the buffers (pointers plus their shapes); `indices` replaces the index parameters."""
+    args = [f"{first}{indices}" + (", float fi, float fj" if floats else "")]
     for name, arr in buffers.items():
         args.append(f"const {_C_TYPES[arr.dtype.kind]}* __restrict__ {name}")
         args += [f"int {name}_shape{a}" for a in range(arr.ndim)]
@@ -424,6 +446,7 @@ def alibi(slopes) -> ScoreMod:
     return ScoreMod("alibi", _alibi_np, _alibi_scalar,
                     "s + slopes[min(h, slopes_shape0 - 1)] * (fj - fi)",     # fi, fj: no I2F per element
                     _ones_np, _one_scalar_1, "1.0f", buffers={"slopes": slopes},
+                    cuda_distance_slope="slopes[min(h, slopes_shape0 - 1)]",
                     check=_heads_check("alibi", {"slopes": slopes}), params={"heads": slopes.shape[0]})
 
 
@@ -637,7 +660,11 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
         where = f"score_mod {score_mod.name!r}"
         if backward and not score_mod.has_grad:
             raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
-        if not score_mod.is_identity:        # the identity (sinks alone): no FA_SCORE_MOD, the fast path
+        if score_mod.cuda_distance_slope is not None and not backward:     # the bias seeds S (tc_mods.cuh)
+            opts.append("-DFA_DIST_BIAS=1")
+            funcs.append(_cuda_fn("dist_slope", "", _one_line(score_mod.cuda_distance_slope, where), score_mod.buffers,
+                                  indices="int b, int h"))
+        elif not score_mod.is_identity:      # the identity (sinks alone): no FA_SCORE_MOD, the fast path
             opts.append("-DFA_SCORE_MOD=1")
             # a forward module compiles the factored core where there is one (the host passes the scales);
             # a backward module the whole text (its kernels take |scale| and log2 e as they are)

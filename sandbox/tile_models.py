@@ -4,7 +4,8 @@ skipping, split-K reductions, online softmax, column-parallel backward) against 
 
 fa1_forward: FA1 paper Algorithm 1 as kernels_cu/fa1_exact.cu runs it: K/V tiles outer, Q tiles
     inner, O (normalised), l and m read and written back on every step; split-K reduces each step.
-fa2_forward: FA2 paper Algorithm 1, with the kernel's warp partitioning (split "q" or "k").
+fa2_forward: FA2 paper Algorithm 1, with the kernel's warp partitioning (split "q" or "k") and the
+    tensor-core kernels' conditional rescaling (FlashAttention-4's: a row's max moves only past a slack).
 fa2_backward: FA2 paper Algorithm 2 (column-parallel, dQ accumulated across column blocks); FA1's
     Algorithm 4 is the same loop nest run by one block per head (dQ read-modified-written).
 """
@@ -74,7 +75,10 @@ def fa1_forward(q, k, v, block_r=16, block_c=128, split="k", warps=4, causal=Fal
 
 
 def fa2_forward(q, k, v, block_r=64, block_c=64, split="q", warps=4, causal=False, scale=None,
-                dropout_p=0.0, seed=0, offset=0, window=None, block_mask=None):
+                dropout_p=0.0, seed=0, offset=0, window=None, block_mask=None, rescale_slack=8.0, p_max=None):
+    """`rescale_slack` (log2 units, kernels_cu/tc_softmax.cuh FA_RESCALE_SLACK): a row keeps its running max
+    while a tile's max exceeds it by at most this much (conditional rescaling); 0 updates it on every rise.
+    `p_max`, a list, gets the largest P of every tile (at most 2^rescale_slack)."""
     q, k, v, B, Hq, Hkv, Nq, Nk, d, scale, vis, z, band = _setup(q, k, v, causal, scale, dropout_p, seed,
                                                                   offset, window, block_mask)
     tiles = classify_tiles(Nq, Nk, block_r, block_c, band, block_mask)
@@ -101,10 +105,14 @@ def fa2_forward(q, k, v, block_r=64, block_c=64, split="q", warps=4, causal=Fals
                         s_parts.append((cols, s))
                         mx = np.maximum(mx, s.max(axis=1, initial=-np.inf))   # warps agree on the max
                     m_new = np.maximum(m, mx)
+                    with np.errstate(invalid="ignore"):      # -inf - -inf: a row with nothing visible yet
+                        m_new = np.where(m_new - m <= rescale_slack * np.log(2.0), m, m_new)
                     m_use = np.where(np.isfinite(m_new), m_new, 0.0)
                     corr = np.exp(m - m_use)
                     for w, (cols, s) in enumerate(s_parts):
                         p = np.exp(s - m_use[:, None])
+                        if p_max is not None and p.size:
+                            p_max.append(p.max())
                         l[w] = l[w] * corr + p.sum(axis=1)
                         pd = p if z is None else p * z[b, h, rows][:, cols]
                         acc[w] = acc[w] * corr[:, None] + pd @ v[b, hk, cols]

@@ -1,6 +1,7 @@
 """Score and mask modifiers (issue 18): validation, the oracle's semantics, tile classification,
 the Numba variants under the CUDA simulator against the oracle, and a user's modifier with a
 deliberately wrong NumPy twin that the fuzzer must catch. Tiny shapes and few examples: fast on CI."""
+import dataclasses
 import math
 import re
 
@@ -458,7 +459,8 @@ def test_factored_scales_reach_the_forward_arguments_only():
     assert np.float32(modifier_args(p, 1)[1]) == np.float32(0.5)                      # the backward's |scale|
     assert forward_scale_log2(p) == pytest.approx(4.0 * LOG2E)
     alibi = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=modifiers.alibi([0.1]))
-    assert forward_scale_log2(alibi) == pytest.approx(LOG2E) and modifier_args(alibi, 1, forward=True)[1] == 0.5
+    # ALiBi's bias seeds S in raw units (cuda_distance_slope): the raw scores' factor, |scale| as mod_scale
+    assert forward_scale_log2(alibi) == scale_log2(-0.5) and modifier_args(alibi, 1, forward=True)[1] == 0.5
     sinks = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=modifiers.sinks([0.3]))
     assert forward_scale_log2(sinks) == scale_log2(-0.5)          # raw scores: the identity compiles nothing
 
@@ -475,3 +477,30 @@ def test_factored_scales_reach_the_forward_arguments_only():
 def test_factored_form_is_validated(factored, error, match):
     with pytest.raises(error, match=match):
         ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored=factored)
+
+
+# ---- the distance form (cuda_distance_slope): s + slope(b, h) * (j - i), the bias where S starts
+
+def test_alibi_forward_seeds_a_distance_bias_and_the_backward_compiles_its_text():
+    al = modifiers.alibi([0.5, 0.25])
+    fwd = " ".join(modifiers.cuda_defines(al, None, backward=False))
+    bwd = " ".join(modifiers.cuda_defines(al, None, backward=True))
+    assert "-DFA_DIST_BIAS=1" in fwd and "-DFA_SCORE_MOD=1" not in fwd
+    assert "float dist_slope(int b, int h, const float* __restrict__ slopes, int slopes_shape0)" in fwd
+    assert "return slopes[min(h, slopes_shape0 - 1)];" in fwd
+    assert "-DFA_DIST_BIAS" not in bwd and "-DFA_SCORE_MOD=1" in bwd and "(fj - fi)" in bwd
+    assert al.forward_raw and not modifiers.softcap(3.0).forward_raw and modifiers.sinks([0.1]).forward_raw
+    # the slope text is part of the module key; a copy with a different slope is a different module
+    other = dataclasses.replace(al, cuda_distance_slope="2.0f * slopes[min(h, slopes_shape0 - 1)]")
+    assert other.cuda_key != al.cuda_key
+    assert " ".join(modifiers.cuda_defines(al.with_sinks([0.1]), None)).count("-DFA_SINKS=1") == 1
+
+
+@pytest.mark.parametrize("kw,exc,msg", [
+    ({"cuda_distance_slope": ""}, TypeError, "cuda_distance_slope must be a non-empty string"),
+    ({"cuda_distance_slope": 0.5}, TypeError, "cuda_distance_slope must be a non-empty string"),
+    ({"cuda_distance_slope": "0.5f", "cuda_factored": ("s", 1.0, 1.0)}, ValueError, "not both"),
+])
+def test_distance_form_refusals(kw, exc, msg):
+    with pytest.raises(exc, match=msg):
+        ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", **kw)

@@ -68,7 +68,7 @@ def test_units_without_modifiers_are_unchanged(name, kw):
 def test_kernels_take_mod_params_after_the_dropout_params(source):
     text = (ROOT / "kernels_cu" / source).read_text()
     assert '#include "tc_mods.cuh"' in text and re.search(r"MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS\)", text)
-    for call in ("mod_scores(", "fold_sinks(", "mod_tile_index("):
+    for call in ("mod_scores<FA_SEED_S>(", "seed_scores(", "fold_sinks(", "mod_tile_index("):
         assert call in text, call
 
 
@@ -300,3 +300,22 @@ def test_the_oracle_checks_the_factored_form(name):
     assert not verdicts["out"].ok and not verdicts["lse"].ok
     fuzz.assert_case(get_variant(name), dataclasses.replace(case, options={"score_mod": good, "causal": True}),
                      "backward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa3", "fa3-ws", "fa3-wgmma", "fa2-tc"])
+def test_the_oracle_checks_the_distance_form(name):
+    """The forward seeds S with a distance bias (cuda_distance_slope) instead of compiling the modifier's
+    text; a slope form that disagrees with the NumPy one (10% too steep) fails the oracle check, ALiBi's
+    own passes forward and backward, with a band and bf16 (rows and columns past Nq, Nk: partial tiles),
+    and with sinks (seeding and the sink share the kernel)."""
+    import dataclasses
+    good = M.alibi(-np.array([0.5, 0.125]))
+    bad = dataclasses.replace(good, name="alibi_bad_slope", cuda_distance_slope="1.1f * slopes[min(h, slopes_shape0 - 1)]")
+    case = fuzz.Case(1, 2, 2, 70, 300, 64, "float16", {"score_mod": bad, "causal": True}, 0, logit_scale=4.0)
+    verdicts = {v.name: v for v in fuzz.check_case(get_variant(name), case, "forward")}
+    assert not verdicts["out"].ok and not verdicts["lse"].ok
+    for options, dtype, d in (({"score_mod": good, "causal": True}, "float16", 64),
+                              ({"score_mod": good, "window": (40, 3)}, "bfloat16", 128),
+                              ({"score_mod": good.with_sinks([0.3, -1.0])}, "float16", 64)):
+        fuzz.assert_case(get_variant(name), dataclasses.replace(case, options=options, dtype=dtype, d=d), "backward")

@@ -356,9 +356,10 @@ def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
 def forward_scale_log2(p) -> float:
     """The forward kernels' scale_log2 argument: the factor that takes the scores their softmax sees to log2
     units. Raw scores (no score modifier, or sinks alone): |scale| log2 e; a score modifier's output (natural
-    units): log2 e, times the post factor of its factored form (modifiers.ScoreMod.cuda_factored)."""
+    units): log2 e, times the post factor of its factored form (modifiers.ScoreMod.cuda_factored); a distance
+    bias in the S accumulator (cuda_distance_slope) keeps the raw scores' factor."""
     sm = p.score_mod
-    if sm is None or sm.is_identity:
+    if sm is None or sm.forward_raw:
         return scale_log2(p.scale)
     return LOG2E * sm.forward_scales()[1]
 
