@@ -68,7 +68,11 @@
 // Compile report (NVRTC 13, sm_90a, fp16 = bf16, as -DFA3_BWD2_SERIAL): D = 128 250 registers (255 with
 // dropout), D = 64 187 (225), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26.
 #include "tc_softmax.cuh"
+#include "tc_mods.cuh"
 #include "hopper.cuh"
+#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD)
+#error "fa3_bwd2.cu takes a distance bias (FA_DIST_BIAS) and sinks only; other modifiers run fa2_tc_bwd.cu"
+#endif
 
 #define LOG2E_F 1.4426950408889634f
 
@@ -100,7 +104,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
          const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
          int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-         float scale, MASK_PARAMS, DROPOUT_PARAMS) {
+         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: a distance bias only (below)
     constexpr int THREADS = 256, BR = 64, BC = 128;
     constexpr int NQ = BR / 8, ND = D / 8;
     constexpr unsigned STAGE = BR * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
@@ -198,8 +202,14 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         const float* cL = sL + cbuf * BR;
         const float* cD = sD + cbuf * BR;
         float s[1][NQ][4], dp[1][NQ][4];
+#ifdef FA_DIST_BIAS
+        // a distance bias (ALiBi; tc_mods.cuh): S^T starts at slope (j - i) / scale, so that P below is the
+        // modified softmax's; its derivative is 1, so dS needs nothing more. The one modifier this kernel
+        // takes (variants/fa3_backward.py backward_mods; sinks need nothing: P comes from lse)
+        seed_scores_t(s, dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);
+#endif
         wgmma_fence();
-        wg_gemm_qk<T, D, BR, BC>(s[0], k_rows, q_tile);      // S^T: this warpgroup's 64 keys x 64 queries
+        wg_gemm_qk<T, D, BR, BC, FA_SEED_S>(s[0], k_rows, q_tile);   // S^T: this warpgroup's 64 keys x 64 queries
         wgmma_commit();
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();

@@ -71,7 +71,8 @@ def test_a_wgmma_backward_config_lists_no_modifiers_and_the_fuzzer_draws_none(na
 
 
 def test_default_backward_is_wgmma2_where_it_can_run():
-    """bwd_kernel="auto" (the default): wgmma2 for d <= 128 without modifiers, fa2-tc's mma.sync otherwise."""
+    """bwd_kernel="auto" (the default): wgmma2 for d <= 128 without modifiers, with sinks alone or with a
+    distance bias (ALiBi, with or without sinks); fa2-tc's mma.sync otherwise."""
     from sandbox import modifiers
     from sandbox.problem import Problem
     from variants.fa3_wgmma import resolve_bwd_kernel
@@ -82,6 +83,15 @@ def test_default_backward_is_wgmma2_where_it_can_run():
     assert resolve_bwd_kernel("auto", plain) == "wgmma2"
     assert resolve_bwd_kernel("auto", dataclasses.replace(plain, d=136)) == "mma"
     assert resolve_bwd_kernel("auto", dataclasses.replace(plain, score_mod=modifiers.softcap(5.0))) == "mma"
+    alibi = modifiers.alibi([0.5, 0.25])
+    for sm in (modifiers.sinks([0.1, 0.2]), alibi, alibi.with_sinks([0.3])):
+        assert resolve_bwd_kernel("auto", dataclasses.replace(plain, score_mod=sm)) == "wgmma2", sm
+    doc = modifiers.document(np.arange(70) // 35)
+    assert resolve_bwd_kernel("auto", dataclasses.replace(plain, score_mod=alibi, mask_mod=doc)) == "mma"
+    assert resolve_bwd_kernel("auto", dataclasses.replace(plain, mask_mod=doc)) == "mma"
+    # wgmma (fa3_bwd.cu) seeds nothing: sinks alone, not ALiBi
+    assert fa3_backward.takes_mods("wgmma", dataclasses.replace(plain, score_mod=modifiers.sinks([0.1])))
+    assert not fa3_backward.takes_mods("wgmma", dataclasses.replace(plain, score_mod=alibi))
     assert resolve_bwd_kernel("mma", plain) == "mma" and resolve_bwd_kernel("wgmma", plain) == "wgmma"
 
 
@@ -132,6 +142,67 @@ def test_kernels_compile_without_spills_or_serialized_wgmma():
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (key, r)
         assert r.static_smem + job.dynamic_smem[key[2]] <= compile_report.SMEM_LIMIT["sm_90"], (key, r)
         assert "serialized" not in b.log and "C7515" not in b.log and "C7519" not in b.log, b.log
+
+
+def _alibi_problem(D, dropout_p=0.0, sinks=False):
+    from sandbox import modifiers
+    from sandbox.problem import Problem
+    sm = modifiers.alibi([-0.5, -0.125])
+    return Problem(B=1, Hq=2, Hkv=1, Nq=70, Nk=300, d=D, dtype="float16", causal=True, dropout_p=dropout_p,
+                   score_mod=sm.with_sinks([0.2, -0.4]) if sinks else sm)
+
+
+def test_wgmma2_with_a_distance_bias_compiles_without_spills():
+    """ALiBi's bias seeds fa3_bwd2's S^T (-DFA_DIST_BIAS, the forward's options): a module per modifier text
+    and dropout switch, its kernel built for sm_90a with no spills and no serialized wgmma; a module asked to
+    take any other modifier fails to build (the #error), and the host refuses it first."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from sandbox import compile_report
+    from variants.fa2_tc import ModKernel
+    bound = sandbox.get_variant("fa3", bwd_kernel="wgmma2")
+    units = [fa3_backward.unit2("float16", D, 10, serial=False, mods=ModKernel.of(_alibi_problem(D, drop)))
+             for D in (64, 128) for drop in (0.0, 0.2)]
+    for u in units:
+        assert "-DFA_DIST_BIAS=1" in u.options and len(u.names) == 2 and "alibi:" in u.label
+    jobs = compile_report.kernel_jobs([("fa3", bound, u) for u in units], ("sm_90",))
+    loader.build_many([(j, "sm_90") for j in jobs.values()])
+    for key, job in jobs.items():
+        b = loader.build(job, "sm_90")
+        (r,) = loader.reports(job, b)
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0 and r.registers <= 255, (key, r)
+        assert "serialized" not in b.log and "C7515" not in b.log and "C7519" not in b.log, b.log
+    from sandbox import modifiers
+    soft = dataclasses.replace(_alibi_problem(64), score_mod=modifiers.softcap(3.0))
+    assert fa3_backward.backward_mods(soft) == "generic"
+    with pytest.raises(ValueError, match="distance bias and sinks only"):
+        fa3_backward.backward2("fa3", soft, *([None] * 6), sandbox.get_variant("fa3").config.bwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma2_with_alibi_and_sinks_matches_the_oracle(dtype, d):
+    """fa3's default backward ("auto") runs wgmma2 for ALiBi (seeded S^T) and sinks: against the oracle with
+    GQA, ragged lengths, causal, a window, dropout, a negative scale; a slope 10% off in the seeded form
+    alone fails the check (the kernel does use the seed)."""
+    from sandbox import fuzz, modifiers
+    from variants.fa3_wgmma import resolve_bwd_kernel
+    alibi = modifiers.alibi(-np.array([0.5, 0.25, 0.125, 0.0625]))
+    cases = [fuzz.Case(1, 4, 2, 70, 300, d, dtype, {"score_mod": alibi, "causal": True}, 1, logit_scale=3.0),
+             fuzz.Case(2, 4, 1, 257, 200, d, dtype, {"score_mod": alibi.with_sinks([0.5, -1.0, 0.0, 2.0]),
+                                                     "window": (60, 5)}, 2),
+             fuzz.Case(1, 4, 4, 130, 130, d, dtype, {"score_mod": alibi, "causal": True, "dropout_p": 0.3, "seed": 9}, 3),
+             fuzz.Case(1, 4, 2, 100, 190, d, dtype, {"score_mod": alibi, "scale": -0.3}, 4),
+             fuzz.Case(1, 4, 2, 100, 190, d, dtype, {"score_mod": modifiers.sinks([0.3, 1.0, -2.0, 0.0])}, 5)]
+    bound = sandbox.get_variant("fa3")
+    for case in cases:
+        p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
+        assert resolve_bwd_kernel(bound.config.bwd_kernel, p) == "wgmma2"
+        fuzz.assert_case(bound, case, "backward")
+    bad = dataclasses.replace(alibi, name="alibi_bad", cuda_distance_slope="1.1f * slopes[min(h, slopes_shape0 - 1)]")
+    verdicts = fuzz.check_case(bound, dataclasses.replace(cases[0], options={"score_mod": bad, "causal": True}),
+                               "backward")
+    assert not all(v.ok for v in verdicts)
 
 
 # ---- the dQ accumulator's order (kernel side: fa3_bwd2's staging; reader: fa3_bwd2_dq)

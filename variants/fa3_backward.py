@@ -13,8 +13,11 @@ The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot). Til
   GEMMs of a tile overlap its element-wise steps (the kernel header has the design and the predicted
   gains). SANDBOX_BWD2_SERIAL=1 (read at import) builds it with every GEMM waited for at once: the dQ
   change alone, for measuring the two changes apart.
-Neither is deterministic (atomics, reductions); `bwd_kernel="mma"` keeps fa2-tc's kernels (the default
-until these have the GPU evidence the tier asks for).
+Neither is deterministic (atomics, reductions); `bwd_kernel="mma"` keeps fa2-tc's kernels.
+Modifiers (`backward_mods`): both take attention sinks alone (P is recomputed from lse, which holds the
+sink: nothing changes), and wgmma2 a distance bias (ALiBi, ScoreMod.cuda_distance_slope), which seeds its
+S^T accumulator as the forward's S (kernels_cu/tc_mods.cuh); every other modifier runs fa2-tc's backward,
+which compiles the modifier's text and derivative in.
 """
 from __future__ import annotations
 
@@ -24,12 +27,33 @@ from sandbox import arrays
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 
-from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _check_aligned, _check_row_strides, _dropout_slots, check_alignment, d_pad
+from .fa2_tc import (CTYPE, ITEMSIZE, ModKernel, TCConfig, _check_aligned, _check_row_strides, _dropout_slots,
+                     check_alignment, d_pad, modifier_args)
 
 BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
 KERNELS = ("wgmma", "wgmma2")      # the bwd_kernel values these kernels serve ("mma" is fa2-tc's)
 SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation: GEMMs not overlapped
+
+
+def backward_mods(p) -> str:
+    """What a problem's modifiers ask of a backward kernel: "none" (no modifiers, or attention sinks alone:
+    the backward recomputes P from lse, which holds the sink), "seed" (a distance bias, with or without
+    sinks: fa3_bwd2 seeds S^T with it), "generic" (anything else: fa2-tc's backward, the text compiled in)."""
+    sm, mm = p.score_mod, p.mask_mod
+    if sm is None and mm is None:
+        return "none"
+    if mm is None and sm.is_identity:
+        return "none"
+    if mm is None and sm.cuda_distance_slope is not None:
+        return "seed"
+    return "generic"
+
+
+def takes_mods(kernel: str, p) -> bool:
+    """Whether bwd_kernel `kernel` ("wgmma", "wgmma2") runs problem p's modifiers."""
+    need = backward_mods(p)
+    return need == "none" or (need == "seed" and kernel == "wgmma2")
 
 
 def name(dtype: str, D: int, dropout: bool, rounds: int) -> str:
@@ -127,16 +151,18 @@ def acc_shape(p, D: int) -> tuple:
     return (p.B * p.Hq, -(-p.Nq // BR), BR * D)
 
 
-def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None) -> CompileUnit:
+def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None) -> CompileUnit:
     """Both dropout switches and the dq kernel in one module; `serial` (default SERIAL) adds
-    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate)."""
+    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a distance bias's
+    forward-style options (ModKernel.of(p), backward_mods "seed"), its one dropout switch."""
     serial = SERIAL if serial is None else serial
-    main = tuple(name2(dtype, D, drop, rounds) for drop in (False, True))
+    main = tuple(name2(dtype, D, drop, rounds) for drop in ((False, True) if mods is None else (mods.dropout,)))
     shared = {n: smem2(D) for n in main}
     shared[dq_name(dtype)] = 0
-    opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ())
+    opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
     return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype)), opts, shared,
-                       label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}]", archs=ARCHS)
+                       label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}{mods.label if mods else ''}]",
+                       archs=ARCHS)
 
 
 def kernel_unit(kernel: str, dtype: str, D: int, rounds: int) -> CompileUnit:
@@ -160,6 +186,10 @@ def _args2(p, q_args, acc, dk, dv, tiles, tile_heads, xp, dropout_rest) -> tuple
 
 def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     """dq, dk, dv on the caller's CuPy stream: rowdot, fa3_bwd2 (dK, dV, the dQ accumulator), fa3_bwd2_dq."""
+    seed = backward_mods(p) == "seed"
+    if not seed and backward_mods(p) != "none":
+        raise ValueError(f"variant {variant!r}: bwd_kernel 'wgmma2' takes a distance bias and sinks only; "
+                         f"{p.score_mod or p.mask_mod} runs fa2-tc's backward (bwd_kernel 'mma' or 'auto')")
     import cupy as xp
     for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
         check_alignment(x, nm, variant)
@@ -174,10 +204,12 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     tiles, tile_heads = tile_table(p, BR, BC, xp)
-    u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
+    mods = ModKernel.of(p) if seed else None        # the forward's options: FA_DIST_BIAS (sinks: harmless)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds)
     operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
     launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
-           _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p)),
+           _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
+           + (modifier_args(p, 1, xp) if seed else ()),
            shared_mem=u.dynamic_smem[kname])
     launch(u, dq_name(p.dtype), (-(-p.Nq // BR), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))

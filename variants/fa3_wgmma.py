@@ -8,9 +8,9 @@ masks, dropout, epilogue: kernels_cu/tc_softmax.cuh). The rung below is fa2-tc (
 specialization and ping-pong scheduling are the rungs above.
 Forward parameters: Bc (`block_c`), warpgroups per block (`warpgroups`, Br = 64 x warpgroups),
 `philox_rounds`. The backward (`bwd_kernel`): "auto" (the default) runs the wgmma backward rung 2
-(kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py) for d <= 128 without modifiers and fa2-tc's
-(kernels_cu/fa2_tc_bwd.cu, mma.sync, modifiers compiled in) otherwise; "mma", "wgmma", "wgmma2" pick
-one. Each reads only q, k, v, out and lse, which this forward writes in the same layout.
+(kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py) for d <= 128 without modifiers, with sinks or a
+distance bias (ALiBi), and fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync, modifiers compiled in) otherwise;
+"mma", "wgmma", "wgmma2" pick one. Each reads only q, k, v, out and lse, which this forward writes in the same layout.
 Features: fa2-tc's (causal with tile skipping, window, block-sparse, GQA/MQA, dropout bit-exact with
 the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and bf16, d a multiple of
 8 up to 256: kernels for D = 64, 128, 192 and 256, d zero-padded to the next (`d_pad`: d = 96 runs the
@@ -23,7 +23,8 @@ at d = 128, refused past it with a ValueError naming the head dim.
 Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
 (kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
 the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
-fa2-tc's with the same modifiers ("auto" and "mma"; "wgmma" / "wgmma2" refuse them).
+fa2-tc's with the same modifiers ("auto" and "mma"; a config naming "wgmma" / "wgmma2" refuses them),
+except sinks alone and a distance bias, which "auto" runs on wgmma2 (fa3_backward.backward_mods).
 Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
 other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
@@ -98,11 +99,12 @@ AUTO_BWD = "wgmma2"       # what bwd_kernel="auto" runs where it can (2x "mma" o
 
 
 def resolve_bwd_kernel(bwd_kernel: str, p) -> str:
-    """The backward kernel a config runs for problem p: "auto" is AUTO_BWD for d <= 128 without modifiers
-    (the wgmma backwards have none, and hold dK / dV for D <= 128), else fa2-tc's ("mma")."""
+    """The backward kernel a config runs for problem p: "auto" is AUTO_BWD for d <= 128 (the wgmma backwards
+    hold dK / dV for D <= 128) where it takes the modifiers (none, sinks, a distance bias:
+    fa3_backward.takes_mods), else fa2-tc's ("mma")."""
     if bwd_kernel != "auto":
         return bwd_kernel
-    return AUTO_BWD if p.d <= 128 and not has_mods(p) else "mma"
+    return AUTO_BWD if p.d <= 128 and fa3_backward.takes_mods(AUTO_BWD, p) else "mma"
 
 
 def modifier_errors(p, config, direction) -> list[str]:
@@ -256,7 +258,7 @@ class FA3Wgmma(FA2TensorCore):
     def backward(self, p, dout, q, k, v, out, lse, config):
         self._refuse_wide_backward(p, config)
         kernel = resolve_bwd_kernel(config.bwd_kernel, p)
-        if kernel in fa3_backward.KERNELS and has_mods(p):
+        if kernel in fa3_backward.KERNELS and not fa3_backward.takes_mods(kernel, p):
             raise ValueError(f"variant {self.name!r}: " + _WGMMA_BWD_MODS)
         if kernel in fa3_backward.KERNELS:
             return fa3_backward.dispatch_backward(kernel, self.name, p, dout, q, k, v, out, lse, config.bwd)
