@@ -57,6 +57,12 @@
 //   d = 64 +30-50% (twice d = 128's element-wise work per FLOP at BR = 64: it stays further from cuDNN).
 // Not yet measured.
 //
+// Score modifiers (issue 18; variants/fa3_backward.py backward_mods): a distance bias (ALiBi) seeds S^T as the
+// forward seeds S; any other score modifier with a derivative compiles its text (tc_mods.cuh FA_SCORE_MOD,
+// FA_SCORE_MOD_GRAD) into the exponent's loop, where S becomes P mod' after P went into dV's operand; sinks
+// need nothing (P comes from lse). Mask modifiers stay with fa2_tc_bwd.cu (this kernel's tile list has no
+// mask modifier's classes).
+//
 // Kernels
 //   fa3_bwd2<T, D, R, DROPOUT>   grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K.
 //   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T.
@@ -70,8 +76,8 @@
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
-#if defined(FA_SCORE_MOD) || defined(FA_MASK_MOD)
-#error "fa3_bwd2.cu takes a distance bias (FA_DIST_BIAS) and sinks only; other modifiers run fa2_tc_bwd.cu"
+#if defined(FA_MASK_MOD) || (defined(FA_SCORE_MOD) && !defined(FA_SCORE_MOD_GRAD))
+#error "fa3_bwd2.cu takes score modifiers with their derivative (or a distance bias) and sinks; mask modifiers run fa2_tc_bwd.cu"
 #endif
 
 #define LOG2E_F 1.4426950408889634f
@@ -104,7 +110,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
          const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
          int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: a distance bias only (below)
+         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: score modifiers only (below)
     constexpr int THREADS = 256, BR = 64, BC = 128;
     constexpr int NQ = BR / 8, ND = D / 8;
     constexpr unsigned STAGE = BR * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
@@ -204,8 +210,8 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         float s[1][NQ][4], dp[1][NQ][4];
 #ifdef FA_DIST_BIAS
         // a distance bias (ALiBi; tc_mods.cuh): S^T starts at slope (j - i) / scale, so that P below is the
-        // modified softmax's; its derivative is 1, so dS needs nothing more. The one modifier this kernel
-        // takes (variants/fa3_backward.py backward_mods; sinks need nothing: P comes from lse)
+        // modified softmax's; its derivative is 1, so dS needs nothing more (variants/fa3_backward.py
+        // backward_mods; sinks need nothing: P comes from lse; other score modifiers: FA_SCORE_MOD below)
         seed_scores_t(s, dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);
 #endif
         wgmma_fence();
@@ -246,6 +252,11 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // wkey + g + 8 (e >= 2). Two copies of the loop: full tiles (every tile of a non-causal problem but
         // the edges) test only for dead rows (lse = -inf), without the per-element branches of the mask.
         const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+        auto factor = [&](int n, int e) {             // Z / (1 - p) of element (n, e) (1 without dropout)
+            return DROPOUT ? ((dropped >> (4 * n + e)) & 1u ? 0.0f : keep_factor) : 1.0f;
+        };
+        unsigned pa[BR / 16][4];                      // P_drop^T as dV's A operand: keys 16 kk .. 16 kk + 15 of the queries
+#ifndef FA_SCORE_MOD
         auto exp_scores = [&](bool check) {
 #pragma unroll
             for (int n = 0; n < NQ; ++n)
@@ -260,10 +271,6 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         };
         if (masked) exp_scores(true);
         else exp_scores(false);
-        auto factor = [&](int n, int e) {             // Z / (1 - p) of element (n, e) (1 without dropout)
-            return DROPOUT ? ((dropped >> (4 * n + e)) & 1u ? 0.0f : keep_factor) : 1.0f;
-        };
-        unsigned pa[BR / 16][4];                      // P_drop^T as dV's A operand: keys 16 kk .. 16 kk + 15 of the queries
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk)
 #pragma unroll
@@ -271,6 +278,40 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
                 const int n = 2 * kk + q / 2, e0 = 2 * (q % 2);
                 pa[kk][q] = Elem<T>::pack(s[0][n][e0] * factor(n, e0), s[0][n][e0 + 1] * factor(n, e0 + 1));
             }
+#else
+        // A score modifier (its whole text and derivative, tc_mods.cuh FA_SCORE_MOD / FA_SCORE_MOD_GRAD): P =
+        // 2^(mod(scale S) log2 e - lse) goes into pa as above, and S <- P mod'(scale S), the factor of dS =
+        // P mod' o (dP Z - D), so that the derivative is never held beside P (32 registers more spill at
+        // D = 128). One element pair (e0, e0 + 1: one key, queries x, x + 1) at a time.
+        const float fj0 = (float)(col0 + wkey + g), fi0 = (float)(row0 + 2 * tq);   // tc_mods.cuh: fi, fj
+        auto exp_scores_mod = [&](bool check) {
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e0 = 0; e0 < 4; e0 += 2) {
+                    float pp[2];
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int e = e0 + u, x = n * 8 + 2 * tq + u, i = row0 + x;
+                        const int dj = e >= 2 ? 8 : 0, j = col0 + wkey + g + dj;
+                        const float L = cL[x] * LOG2E_F;
+                        const bool vis = L != NEG_INF &&
+                                         (!check || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                        float p = 0.0f, grad = 0.0f;
+                        if (vis) {
+                            const float xs = s[0][n][e] * scale, fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
+                            p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E_F - L);
+                            grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS);
+                        }
+                        pp[u] = p;
+                        s[0][n][e] = p * grad;
+                    }
+                    pa[n / 2][2 * (n % 2) + e0 / 2] = Elem<T>::pack(pp[0] * factor(n, e0), pp[1] * factor(n, e0 + 1));
+                }
+        };
+        if (masked) exp_scores_mod(true);
+        else exp_scores_mod(false);
+#endif
         wgmma_fence();
         wg_gemm_pv<T, D, BR>(dv[0], pa, do_tile);     // dV += P_drop^T dO
         wgmma_commit();

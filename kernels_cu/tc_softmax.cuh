@@ -130,16 +130,21 @@ __device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int
 // rescale factor is exactly 1. O = sum P V / l and lse = m + log2 l hold for any m that is a common
 // reference of P and l, so the result is the same up to rounding. A warp whose rows all keep theirs skips
 // O's rescale (rescale_rows), which in fa3 sits between an O += P V completing and the next one issued.
+// Used from D = 128 (COND_RESCALE): on the H100 (fa3, fp16, A/B in one run each;
+// bench/results/h100/2026-11-26-session-7.md) it made D = 128's forward 2-3% faster; at D = 64, where O's
+// rescale is only 32 FMULs per thread, it measured 1-6% slower with the skip and 1-4% without it.
 #ifndef FA_RESCALE_SLACK
 #define FA_RESCALE_SLACK 8.0f
 #endif
+template <int ND>
+constexpr bool COND_RESCALE = ND >= 16;
 
 // The online softmax update of the scores alone, for a tile whose raw row max is mx: new row max m
 // (log2 units; kept within the slack above), P = 2^(s scale_log2 - m) in place, l rescaled and added to,
 // and the factor corr = 2^(m_old - m) that O must be rescaled by (rescale_rows) before this tile's P V is
 // added. Apart from softmax_update so that a kernel can rescale O later, once an O += P V in flight
 // has completed (fa3_ws.cu's intra-warpgroup overlap). l holds this lane's partial row sums.
-template <int MT, int NT>
+template <bool COND, int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                const float (&mx)[MT][2], float scale_log2, float (&corr)[MT][2]) {
 #pragma unroll
@@ -148,7 +153,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
         for (int hr = 0; hr < 2; ++hr) {
             float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
             // keep m within the slack; false for m = -inf (NaN or +inf difference): the first visible tile
-            if (m_new - m[mt][hr] <= FA_RESCALE_SLACK) m_new = m[mt][hr];
+            if (COND && m_new - m[mt][hr] <= FA_RESCALE_SLACK) m_new = m[mt][hr];
             const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
             corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
             float sum = 0.0f;
@@ -165,14 +170,11 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
         }
 }
 
-// O's rows times their rescale factor. From D = 128 (ND = 16), nothing where every factor of the warp is 1
-// (conditional rescaling, above: the usual case once the rows' maxima settle); called by whole warps.
-// Measured on the H100 (fa3, fp16, same run; bench/results/h100/2026-11-26-session-7.md): the skip made
-// D = 128 2-3% faster, and D = 64, where O's rescale is 32 FMULs per thread, up to 6% slower, so D = 64
-// multiplies by the factor (1 where the max is kept) and has no branch.
+// O's rows times their rescale factor; with conditional rescaling (from D = 128, above), nothing where every
+// factor of the warp is 1 (the usual case once the rows' maxima settle). Called by whole warps.
 template <int MT, int ND>
 __device__ __forceinline__ void rescale_rows(float (&o)[MT][ND][4], const float (&corr)[MT][2]) {
-    if constexpr (ND >= 16) {
+    if constexpr (COND_RESCALE<ND>) {
         bool ones = true;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) ones = ones && corr[mt][0] == 1.0f && corr[mt][1] == 1.0f;
@@ -194,7 +196,7 @@ template <int MT, int NT, int ND>
 __device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                float (&o)[MT][ND][4], const float (&mx)[MT][2], float scale_log2) {
     float corr[MT][2];
-    softmax_scores(s, m, l, mx, scale_log2, corr);
+    softmax_scores<COND_RESCALE<ND>>(s, m, l, mx, scale_log2, corr);
     rescale_rows(o, corr);
 }
 

@@ -15,9 +15,9 @@ The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot). Til
   change alone, for measuring the two changes apart.
 Neither is deterministic (atomics, reductions); `bwd_kernel="mma"` keeps fa2-tc's kernels.
 Modifiers (`backward_mods`): both take attention sinks alone (P is recomputed from lse, which holds the
-sink: nothing changes), and wgmma2 a distance bias (ALiBi, ScoreMod.cuda_distance_slope), which seeds its
-S^T accumulator as the forward's S (kernels_cu/tc_mods.cuh); every other modifier runs fa2-tc's backward,
-which compiles the modifier's text and derivative in.
+sink: nothing changes); wgmma2 also takes a distance bias (ALiBi, ScoreMod.cuda_distance_slope), which
+seeds its S^T accumulator as the forward's S (kernels_cu/tc_mods.cuh), and any other score modifier with
+a derivative (its text compiled in, as fa2-tc's backward does). Mask modifiers run fa2-tc's backward.
 """
 from __future__ import annotations
 
@@ -39,21 +39,20 @@ SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation:
 def backward_mods(p) -> str:
     """What a problem's modifiers ask of a backward kernel: "none" (no modifiers, or attention sinks alone:
     the backward recomputes P from lse, which holds the sink), "seed" (a distance bias, with or without
-    sinks: fa3_bwd2 seeds S^T with it), "generic" (anything else: fa2-tc's backward, the text compiled in)."""
+    sinks: fa3_bwd2 seeds S^T with it), "text" (another score modifier: its text and derivative compiled
+    in), "generic" (a mask modifier: fa2-tc's backward)."""
     sm, mm = p.score_mod, p.mask_mod
-    if sm is None and mm is None:
+    if mm is not None:
+        return "generic"
+    if sm is None or sm.is_identity:
         return "none"
-    if mm is None and sm.is_identity:
-        return "none"
-    if mm is None and sm.cuda_distance_slope is not None:
-        return "seed"
-    return "generic"
+    return "seed" if sm.cuda_distance_slope is not None else "text"
 
 
 def takes_mods(kernel: str, p) -> bool:
     """Whether bwd_kernel `kernel` ("wgmma", "wgmma2") runs problem p's modifiers."""
     need = backward_mods(p)
-    return need == "none" or (need == "seed" and kernel == "wgmma2")
+    return need == "none" or (need in ("seed", "text") and kernel == "wgmma2")
 
 
 def name(dtype: str, D: int, dropout: bool, rounds: int) -> str:
@@ -153,8 +152,8 @@ def acc_shape(p, D: int) -> tuple:
 
 def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None) -> CompileUnit:
     """Both dropout switches and the dq kernel in one module; `serial` (default SERIAL) adds
-    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a distance bias's
-    forward-style options (ModKernel.of(p), backward_mods "seed"), its one dropout switch."""
+    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a score modifier's
+    options (backward_mods "seed": the forward's, ModKernel.of(p); "text": the backward's), one dropout switch."""
     serial = SERIAL if serial is None else serial
     main = tuple(name2(dtype, D, drop, rounds) for drop in ((False, True) if mods is None else (mods.dropout,)))
     shared = {n: smem2(D) for n in main}
@@ -186,10 +185,10 @@ def _args2(p, q_args, acc, dk, dv, tiles, tile_heads, xp, dropout_rest) -> tuple
 
 def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     """dq, dk, dv on the caller's CuPy stream: rowdot, fa3_bwd2 (dK, dV, the dQ accumulator), fa3_bwd2_dq."""
-    seed = backward_mods(p) == "seed"
-    if not seed and backward_mods(p) != "none":
-        raise ValueError(f"variant {variant!r}: bwd_kernel 'wgmma2' takes a distance bias and sinks only; "
-                         f"{p.score_mod or p.mask_mod} runs fa2-tc's backward (bwd_kernel 'mma' or 'auto')")
+    need = backward_mods(p)
+    if need == "generic":
+        raise ValueError(f"variant {variant!r}: bwd_kernel 'wgmma2' takes score modifiers and sinks, not mask "
+                         f"modifiers; {p.mask_mod} runs fa2-tc's backward (bwd_kernel 'mma' or 'auto')")
     import cupy as xp
     for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
         check_alignment(x, nm, variant)
@@ -204,12 +203,14 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     tiles, tile_heads = tile_table(p, BR, BC, xp)
-    mods = ModKernel.of(p) if seed else None        # the forward's options: FA_DIST_BIAS (sinks: harmless)
+    # a distance bias: the forward's options (FA_DIST_BIAS; FA_SINKS harmless); a score modifier: the backward's
+    # (its text and derivative); sinks alone: none (the module without modifiers)
+    mods = {"seed": ModKernel.of(p), "text": ModKernel.of(p, backward=True)}.get(need)
     u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds)
     operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
     launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
            _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
-           + (modifier_args(p, 1, xp) if seed else ()),
+           + (modifier_args(p, 1, xp) if mods is not None else ()),
            shared_mem=u.dynamic_smem[kname])
     launch(u, dq_name(p.dtype), (-(-p.Nq // BR), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))

@@ -8,8 +8,8 @@ masks, dropout, epilogue: kernels_cu/tc_softmax.cuh). The rung below is fa2-tc (
 specialization and ping-pong scheduling are the rungs above.
 Forward parameters: Bc (`block_c`), warpgroups per block (`warpgroups`, Br = 64 x warpgroups),
 `philox_rounds`. The backward (`bwd_kernel`): "auto" (the default) runs the wgmma backward rung 2
-(kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py) for d <= 128 without modifiers, with sinks or a
-distance bias (ALiBi), and fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync, modifiers compiled in) otherwise;
+(kernels_cu/fa3_bwd2.cu, variants/fa3_backward.py) for d <= 128 without modifiers or with score
+modifiers and sinks, and fa2-tc's (kernels_cu/fa2_tc_bwd.cu, mma.sync, modifiers compiled in) otherwise;
 "mma", "wgmma", "wgmma2" pick one. Each reads only q, k, v, out and lse, which this forward writes in the same layout.
 Features: fa2-tc's (causal with tile skipping, window, block-sparse, GQA/MQA, dropout bit-exact with
 the RNG contract, any Nq and Nk, dead rows, negative and zero scale), fp16 and bf16, d a multiple of
@@ -23,8 +23,8 @@ at d = 128, refused past it with a ValueError naming the head dim.
 Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
 (kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
 the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
-fa2-tc's with the same modifiers ("auto" and "mma"; a config naming "wgmma" / "wgmma2" refuses them),
-except sinks alone and a distance bias, which "auto" runs on wgmma2 (fa3_backward.backward_mods).
+fa2-tc's with the same modifiers where a mask modifier is among them ("mma" always; a config naming
+"wgmma" / "wgmma2" refuses them), and wgmma2 with score modifiers and sinks ("auto": fa3_backward.backward_mods).
 Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
 other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
@@ -87,8 +87,9 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 
 # ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
 
-_WGMMA_BWD_MODS = ("score / mask modifiers need the backward of fa2-tc (bwd_kernel=\"mma\", or \"auto\", the default); "
-                   "kernels_cu/fa3_bwd.cu (bwd_kernel=\"wgmma\") and fa3_bwd2.cu (\"wgmma2\") have none")
+_WGMMA_BWD_MODS = ("a config naming bwd_kernel=\"wgmma\" or \"wgmma2\" takes no modifiers; bwd_kernel=\"mma\" runs "
+                   "them all on fa2-tc's backward, and \"auto\" (the default) score modifiers and sinks on "
+                   "kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's")
 
 
 def has_mods(p) -> bool:
