@@ -69,14 +69,32 @@ __device__ __forceinline__ float fa_tanh(float x) {
 // already load) and 1 / (1 + e) on the FMA pipe instead of a second MUFU op: 1 + e lies in (1, 2], where
 // 24/17 - 8/17 d is within 1/17 of 1 / d and two Newton steps r (2 - d r) bring it to 1.2e-5 (sech^2:
 // 2.6e-5 relative at most, checked in float32 over |x| <= 60).
-__device__ __forceinline__ float fa_sech2(float x) {
+// e = exp(-2 |x|) and r = 1 / (1 + e), shared by fa_sech2 and fa_tanh_e (the compiler merges the two where a
+// score modifier and its derivative evaluate both at one x: the asm is not volatile).
+__device__ __forceinline__ float fa_exp_m2abs(float x) {
     float e;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-2.8853900817779268f * fabsf(x)));   // exp(-2 |x|)
+    return e;
+}
+__device__ __forceinline__ float fa_recip_1p(float e) {     // 1 / (1 + e) for e in [0, 1]
     const float d = 1.0f + e;
     float r = fmaf(-0.47058824f, d, 1.4117647f);
     r = r * fmaf(-d, r, 2.0f);
-    r = r * fmaf(-d, r, 2.0f);
+    return r * fmaf(-d, r, 2.0f);
+}
+__device__ __forceinline__ float fa_sech2(float x) {
+    const float e = fa_exp_m2abs(x), r = fa_recip_1p(e);
     return 4.0f * e * (r * r);
+}
+
+// tanh x = sign(x) (1 - e) / (1 + e) from the same e and r: beside fa_sech2 of the same x (a backward, which
+// needs the soft-cap and its derivative) one MUFU op for both instead of MUFU.TANH and fa_sech2's EX2. Its
+// absolute error is at most 1.2e-5 (the reciprocal's two Newton steps; tests/test_modifiers.py models it),
+// below MUFU.TANH's (2^-11 relative: up to 4.9e-4), and absolute error is what the softmax's exponent sees
+// (cap tanh); near 0 its relative error grows (1 - e cancels), its absolute error does not. NaN for NaN.
+__device__ __forceinline__ float fa_tanh_e(float x) {
+    const float e = fa_exp_m2abs(x);
+    return copysignf((1.0f - e) * fa_recip_1p(e), x);
 }
 
 FA_MOD_FUNCS

@@ -16,8 +16,9 @@ Each is declared once, in the forms the backends need:
   compile it into their module (the module cache is keyed by that text; `cuda_function()`). A score
   modifier's text may also use `fi`, `fj`: i and j as floats, which the kernels form once per row and
   column of a tile (an int-to-float conversion per element runs at quarter rate, on the pipe the
-  softmax's exponentials need), `fa_tanh(x)`, the hardware tanh, and `fa_sech2(x)` = 1 - tanh^2 x with
-  a small relative error (kernels_cu/tc_mods.cuh). The text
+  softmax's exponentials need), `fa_tanh(x)`, the hardware tanh, `fa_sech2(x)` = 1 - tanh^2 x with
+  a small relative error, and `fa_tanh_e(x)`, tanh from fa_sech2's exp(-2|x|) (one MUFU op for both
+  where a backward evaluates the two; kernels_cu/tc_mods.cuh). The text
   "s" is the identity: the kernels compile no score modifier for it (sinks alone).
 
 A score modifier of the form mod(s) = post * core(pre * s) with host numbers pre, post > 0 (the
@@ -404,14 +405,15 @@ def softcap(cap) -> ScoreMod:
     cap = _real(cap, "softcap: cap")
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap: cap must be a finite number > 0, got {cap}")
-    # CUDA: cap[1] = 1 / cap (a multiply, not an IEEE division per element) and the hardware tanh
-    # (fa_tanh: MUFU.TANH, one op; libdevice's tanhf is a branchy exp / division / polynomial sequence).
-    # The derivative is fa_sech2, not 1 - fa_tanh^2: the approximate tanh's absolute error (2^-11) is
-    # larger than sech^2 itself where tanh saturates (kernels_cu/tc_mods.cuh).
-    # The forward compiles the factored form: fa_tanh(s) with 1 / cap folded into the score's scale and cap
-    # into the softmax's, 2 FMULs per element fewer than the text (cap is a host number there, so each cap
-    # reuses one module: the values travel as kernel arguments).
-    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
+    # CUDA: cap[1] = 1 / cap (a multiply, not an IEEE division per element). The derivative is fa_sech2, not
+    # 1 - tanh^2: an approximate tanh's absolute error (2^-11) is larger than sech^2 itself where tanh
+    # saturates (kernels_cu/tc_mods.cuh). The forward compiles the factored form: fa_tanh(s) (MUFU.TANH, one
+    # op; libdevice's tanhf is a branchy exp / division / polynomial sequence) with 1 / cap folded into the
+    # score's scale and cap into the softmax's, 2 FMULs per element fewer than the text (cap is a host number
+    # there, so each cap reuses one module: the values travel as kernel arguments). The text, which the
+    # backward compiles beside the derivative, takes tanh as fa_tanh_e: from fa_sech2's own exp(-2|x|),
+    # so that one MUFU op serves both.
+    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh_e(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
                     cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1] else None)

@@ -413,7 +413,7 @@ def test_cuda_text_of_every_builtin_compiles_with_nvrtc():
     from sandbox import loader
     rng = np.random.default_rng(0)
     mods = [f(rng, 2, 2, 5, 6) for f in fuzz.SCORE_MODS + fuzz.MASK_MODS] + [quadratic()]
-    helpers = re.search(r"__device__ __forceinline__ float fa_tanh.*?float fa_sech2.*?\n}\n", loader.source_text("tc_mods.cuh"),
+    helpers = re.search(r"__device__ __forceinline__ float fa_tanh.*?float fa_tanh_e.*?\n}\n", loader.source_text("tc_mods.cuh"),
                         re.S).group(0)                           # what the kernels give a modifier's text
     text = helpers + "".join(f"namespace m{n} {{\n{m.cuda_function()}}}\n" for n, m in enumerate(mods))
     loader._nvrtc_build("modifiers.cu", text, ["-std=c++17"], (), "sm_90")
@@ -442,13 +442,13 @@ def test_softcap_forward_compiles_its_factored_core_and_the_backward_its_text():
     fwd = " ".join(modifiers.cuda_defines(cap, None, backward=False))
     bwd = " ".join(modifiers.cuda_defines(cap, None, backward=True))
     assert "return fa_tanh(s);" in fwd and "cap[0] * fa_tanh(s * cap[1])" not in fwd
-    assert "cap[0] * fa_tanh(s * cap[1])" in bwd and "fa_sech2" in bwd
+    assert "cap[0] * fa_tanh_e(s * cap[1])" in bwd and "fa_sech2" in bwd
     assert modifiers.alibi([0.5]).forward_scales() == (1.0, 1.0)
     # one module for every cap: the factor travels as a kernel argument, not as text
     assert modifiers.cuda_defines(modifiers.softcap(2.0), None) == modifiers.cuda_defines(cap, None)
     # a cap whose factors would leave float32's comfortable range compiles the whole text
     huge = modifiers.softcap(1e30)
-    assert huge.cuda_factored is None and "cap[0] * fa_tanh(s * cap[1])" in " ".join(modifiers.cuda_defines(huge, None))
+    assert huge.cuda_factored is None and "cap[0] * fa_tanh_e(s * cap[1])" in " ".join(modifiers.cuda_defines(huge, None))
 
 
 def test_factored_scales_reach_the_forward_arguments_only():
@@ -504,3 +504,32 @@ def test_alibi_forward_seeds_a_distance_bias_and_the_backward_compiles_its_text(
 def test_distance_form_refusals(kw, exc, msg):
     with pytest.raises(exc, match=msg):
         ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", **kw)
+
+
+def test_tanh_from_the_shared_exponential_is_accurate_in_absolute_terms():
+    """fa_tanh_e (kernels_cu/tc_mods.cuh) modelled in float32 with the header's own constants, the MUFU
+    exponential taken as exact: within 1.25e-5 of tanh in absolute terms over |x| <= 60 (the soft-cap's
+    exponent sees cap * tanh, so absolute error is what matters; MUFU.TANH's is up to 4.9e-4), odd, NaN
+    for NaN; and fa_sech2 from the same e, r within 3e-5 relative (its documented bound)."""
+    from sandbox import loader
+    text = loader.source_text("tc_mods.cuh")
+    body = re.search(r"float fa_recip_1p\(float e\) \{(.*?)\n\}", text, re.S).group(1)
+    a, c = (np.float32(float(x)) for x in re.search(r"fmaf\(-([0-9.]+)f, d, ([0-9.]+)f\)", body).groups())
+    k = np.float32(float(re.search(r'"f"\((-[0-9.]+)f \* fabsf\(x\)\)', text).group(1)))
+    x = np.concatenate([np.linspace(-60, 60, 200001), [0.0, 1e-30, -1e-7, 44.0, -44.5, np.nan]]).astype(np.float32)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        e = np.exp2((k * np.abs(x)).astype(np.float64)).astype(np.float32)
+        d = np.float32(1) + e
+        r = (-a * d + c).astype(np.float32)
+        for _ in range(2):
+            r = (r * (np.float32(2) - d * r)).astype(np.float32)
+        tanh_e = np.copysign((np.float32(1) - e) * r, x)
+        sech2 = np.float32(4) * e * (r * r)
+    assert np.isnan(tanh_e[-1]) and np.isnan(sech2[-1])
+    x, tanh_e, sech2 = x[:-1], tanh_e[:-1], sech2[:-1]
+    assert np.abs(tanh_e.astype(np.float64) - np.tanh(x.astype(np.float64))).max() < 1.25e-5
+    ref = 1 / np.cosh(x.astype(np.float64)) ** 2
+    ok = ref > 1e-30
+    assert (np.abs(sech2[ok] - ref[ok]) / ref[ok]).max() < 3e-5
+    assert np.array_equal(np.signbit(tanh_e), np.signbit(x))          # odd: the sign is x's (copysign)
+    assert "copysignf((1.0f - e) * fa_recip_1p(e), x)" in text    # the form modelled here

@@ -89,7 +89,7 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 
 _WGMMA_BWD_MODS = ("a config naming bwd_kernel=\"wgmma\" or \"wgmma2\" takes no modifiers; bwd_kernel=\"mma\" runs "
                    "them all on fa2-tc's backward, and \"auto\" (the default) score modifiers and sinks on "
-                   "kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's")
+                   "kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's (kernels_cu/fa3_bwd.cu, \"wgmma\", has none)")
 
 
 def has_mods(p) -> bool:
