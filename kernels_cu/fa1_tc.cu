@@ -115,7 +115,7 @@ fa1_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
             float s[MT][NT][4];
             gemm_qk<T, D>(s, base.q, base.k);
             if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row_base, col0, Nq, Nk, g, tq);
-            online_softmax(s, m, l, o, scale_log2);
+            online_softmax<DROPOUT>(s, m, l, o, scale_log2);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row_base, col0, g, tq);
             gemm_pv<T, D, BC>(o, s, base.v);
 

@@ -219,12 +219,12 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);
 #endif
         if constexpr (SPLIT_Q) {
-            online_softmax(s, m, l, o, scale_log2);
+            online_softmax<DROPOUT>(s, m, l, o, scale_log2);
         } else {
             float mx[MT][2];
             row_max(s, mx);
             agree_row_max<WARPS, BR>(mx, xm, warp, g, tq);   // read before the barrier below: xm is free again
-            softmax_update(s, m, l, o, mx, scale_log2);
+            softmax_update<DROPOUT>(s, m, l, o, mx, scale_log2);
         }
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0 + wcol, g, tq);
 

@@ -88,6 +88,9 @@
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 #include "tc_mods.cuh"
+#ifdef FA_DIST_BIAS
+#error "fa2_tc_bwd.cu compiles a distance bias as its text (FA_SCORE_MOD): the seed is a forward / fa3_bwd2 form"
+#endif
 
 #define LOG2E_F 1.4426950408889634f
 

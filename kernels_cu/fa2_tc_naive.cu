@@ -137,7 +137,7 @@ fa2_tc_naive_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, lo
         }
 
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
-        online_softmax(s, m, l, o, scale_log2);
+        online_softmax<DROPOUT>(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
 
         // O += P V_t: P from registers, B = V (pairs along keys, two 16-bit loads each)

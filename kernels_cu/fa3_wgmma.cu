@@ -110,7 +110,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
 #endif
-        online_softmax(s, m, l, o, scale_log2);
+        online_softmax<DROPOUT>(s, m, l, o, scale_log2);
         if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         unsigned pa[BC / 16][4];
         p_operands<T>(pa, s);

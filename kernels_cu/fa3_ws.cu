@@ -163,7 +163,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
 #endif
             float mx[1][2];
             row_max(s, mx);
-            softmax_scores<COND_RESCALE<ND>>(s, m, l, mx, scale_log2, corr);
+            softmax_scores<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, scale_log2, corr);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         };
 

@@ -11,7 +11,8 @@
 //                       MUFU pipe the softmax's EX2 needs). An identity modifier (sinks alone) sets no
 //                       FA_SCORE_MOD: the kernel keeps its exp2 fast path (scale folded into one FFMA).
 //   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
-//   FA_DIST_BIAS        instead of FA_SCORE_MOD (forward builds only): the modifier is s + slope (j - i) (ALiBi),
+//   FA_DIST_BIAS        instead of FA_SCORE_MOD (forward and fa3_bwd2 builds; where the host allows it: |scale| above
+//                       the kernels' floor, variants/fa2_tc.py seeds_bias): the modifier is s + slope (j - i) (ALiBi),
 //                       with float dist_slope(int b, int h, buffers...); the scores stay raw (scale_log2 =
 //                       |scale| log2 e) and the bias in raw units, slope (j - i) / |scale|, is where the S
 //                       accumulator starts (seed_scores): one FFMA per element from an immediate instead of
@@ -87,8 +88,9 @@ __device__ __forceinline__ float fa_sech2(float x) {
     return 4.0f * e * (r * r);
 }
 
-// tanh x = sign(x) (1 - e) / (1 + e) from the same e and r: beside fa_sech2 of the same x (a backward, which
-// needs the soft-cap and its derivative) one MUFU op for both instead of MUFU.TANH and fa_sech2's EX2. Its
+// tanh x = sign(x) (1 - e) / (1 + e) from the same e and r, for a modifier's text: beside fa_sech2 of the same x
+// (a backward) one MUFU op for both instead of MUFU.TANH and fa_sech2's EX2, but no faster in fa3_bwd2 on the
+// H100, and a forward that uses fa_tanh would not match it (the built-in soft-cap keeps fa_tanh in both). Its
 // absolute error is at most 1.2e-5 (the reciprocal's two Newton steps; tests/test_modifiers.py models it),
 // below MUFU.TANH's (2^-11 relative: up to 4.9e-4), and absolute error is what the softmax's exponent sees
 // (cap tanh); near 0 its relative error grows (1 - e cancels), its absolute error does not. NaN for NaN.

@@ -17,7 +17,7 @@
 
 // ---- device helpers
 
-// 2^x for x <= 0 on the FMA pipe (FA_EXP2_EMU, below): x = j + f with j = round(x) by the 1.5 * 2^23
+// 2^x for x <= 8 (the softmax's exponents: <= 0, or up to the conditional rescale's slack) on the FMA pipe (FA_EXP2_EMU, below): x = j + f with j = round(x) by the 1.5 * 2^23
 // shifter (two FADDs, no F2I / FRND, which share the MUFU's quarter rate), 2^f on [-1/2, 1/2] by a
 // degree-4 polynomial (a relative minimax fit with the constant held at exactly 1: 2.9e-6 relative error
 // in float32 Horner form, against 2^-11 for the fp16 rounding of P that follows), times 2^j built in the
@@ -64,10 +64,36 @@ __device__ __forceinline__ float softmax_exp2(float x, int n) {
 // kernel cost up to 400 bytes of spills (NVRTC 13, sm_90, D = 64, Br = Bc = 128, 4 warps).
 
 // s <- -inf where the element is not visible; called only for partial tiles and the tile that
-// crosses Nk (full tiles skip the element predicate).
+// crosses Nk (full tiles skip the element predicate). The band and the ranges per element, unrolled; a
+// block-sparse layout first into one bit per column of each of the thread's rows, in a rolled loop: its
+// lookups (two divisions and a 64-bit address per element) unrolled over the tile made fa3 with three
+// consumer warpgroups (160 registers) spill 64 bytes.
 template <int MT, int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, const Mask& mask, int h,
                                             int row_base, int col0, int Nq, int Nk, int g, int tq) {
+    static_assert(2 * NT <= 64, "one bit per column of the thread's tile columns");
+    using Bits = unsigned long long;
+    Bits keep[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) keep[mt][0] = keep[mt][1] = ~Bits(0);
+    if (cls != TILE_FULL && mask.layout_heads != 0) {
+        const unsigned char* lay = mask.layout + (long long)(mask.layout_heads == 1 ? 0 : h) * mask.nbq * mask.nbk;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const int i = row_base + mt * 16 + g;                   // and i + 8; rows past Nq: masked below
+            const unsigned char* row0 = lay + (long long)(min(i, Nq - 1) / mask.bq) * mask.nbk;
+            const unsigned char* row1 = lay + (long long)(min(i + 8, Nq - 1) / mask.bq) * mask.nbk;
+            Bits b0 = 0, b1 = 0;
+#pragma unroll 1
+            for (int c = 0; c < 2 * NT; ++c) {
+                const int jb = min(col0 + (c >> 1) * 8 + 2 * tq + (c & 1), Nk - 1) / mask.bk;
+                b0 |= Bits(row0[jb] != 0) << c;
+                b1 |= Bits(row1[jb] != 0) << c;
+            }
+            keep[mt][0] = b0;
+            keep[mt][1] = b1;
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -75,8 +101,10 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
-                const int j = col0 + n * 8 + 2 * tq + (e & 1);
-                if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) s[mt][n][e] = NEG_INF;
+                const int j = col0 + n * 8 + 2 * tq + (e & 1), d = j - i;
+                const bool in_band = cls == TILE_FULL || (d >= mask.lo && d <= mask.hi &&
+                                                          ((keep[mt][e >> 1] >> (2 * n + (e & 1))) & 1u));
+                if (!(i < Nq && j < Nk && in_band)) s[mt][n][e] = NEG_INF;
             }
 }
 
@@ -130,14 +158,15 @@ __device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int
 // rescale factor is exactly 1. O = sum P V / l and lse = m + log2 l hold for any m that is a common
 // reference of P and l, so the result is the same up to rounding. A warp whose rows all keep theirs skips
 // O's rescale (rescale_rows), which in fa3 sits between an O += P V completing and the next one issued.
-// Used from D = 128 (COND_RESCALE): on the H100 (fa3, fp16, A/B in one run each;
+// Used from D = 128 and without dropout (COND_RESCALE; with dropout P / (1 - p) up to 256 / (1 - p) would pass fp16's
+// 65504 from p = 0.9961 on, where 1 / (1 - p) alone reaches it only past 0.99998). On the H100 (fa3, fp16, A/B in one run each;
 // bench/results/h100/2026-11-26-session-7.md) it made D = 128's forward 2-3% faster; at D = 64, where O's
 // rescale is only 32 FMULs per thread, it measured 1-6% slower with the skip and 1-4% without it.
 #ifndef FA_RESCALE_SLACK
 #define FA_RESCALE_SLACK 8.0f
 #endif
-template <int ND>
-constexpr bool COND_RESCALE = ND >= 16;
+template <int ND, bool DROPOUT>
+constexpr bool COND_RESCALE = ND >= 16 && !DROPOUT;
 
 // The online softmax update of the scores alone, for a tile whose raw row max is mx: new row max m
 // (log2 units; kept within the slack above), P = 2^(s scale_log2 - m) in place, l rescaled and added to,
@@ -174,7 +203,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
 // factor of the warp is 1 (the usual case once the rows' maxima settle). Called by whole warps.
 template <int MT, int ND>
 __device__ __forceinline__ void rescale_rows(float (&o)[MT][ND][4], const float (&corr)[MT][2]) {
-    if constexpr (COND_RESCALE<ND>) {
+    if constexpr (ND >= 16) {
         bool ones = true;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) ones = ones && corr[mt][0] == 1.0f && corr[mt][1] == 1.0f;
@@ -192,21 +221,22 @@ __device__ __forceinline__ void rescale_rows(float (&o)[MT][ND][4], const float 
 }
 
 // The online softmax update for a tile whose raw row max is mx: the scores' update, then O rescaled.
-template <int MT, int NT, int ND>
+// DROPOUT: whether the kernel drops P out after this (no conditional rescaling then, above).
+template <bool DROPOUT, int MT, int NT, int ND>
 __device__ __forceinline__ void softmax_update(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                float (&o)[MT][ND][4], const float (&mx)[MT][2], float scale_log2) {
     float corr[MT][2];
-    softmax_scores<COND_RESCALE<ND>>(s, m, l, mx, scale_log2, corr);
+    softmax_scores<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, scale_log2, corr);
     rescale_rows(o, corr);
 }
 
 // Online softmax on raw scores (FA2 Algorithm 1, lines 9-10): the row max of this tile, then the update.
-template <int MT, int NT, int ND>
+template <bool DROPOUT, int MT, int NT, int ND>
 __device__ __forceinline__ void online_softmax(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                float (&o)[MT][ND][4], float scale_log2) {
     float mx[MT][2];
     row_max(s, mx);
-    softmax_update(s, m, l, o, mx, scale_log2);
+    softmax_update<DROPOUT>(s, m, l, o, mx, scale_log2);
 }
 
 // P_drop = P Z / (1 - p) (l keeps the undropped sum): element (b, h, i, j) uses word j % 4 of

@@ -135,10 +135,10 @@ def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, cau
     if slopes.ndim != 2 or slopes.shape[1] != Hq or slopes.shape[0] not in (1, B):
         raise ValueError(f"alibi_slopes must have shape ({Hq},) or ({B}, {Hq}) (batch, query heads); "
                          f"got {tuple(np.shape(alibi_slopes))}")
-    capped = "cap[0] * fa_tanh_e(s * cap[1])" if cap else "s"
+    capped = "cap[0] * fa_tanh(s * cap[1])" if cap else "s"
     bias = "fj" if causal else "(-fabsf(fi + geom[0] - fj))"
     # the derivative of the soft-cap part: fa_sech2, accurate where tanh saturates (1 - fa_tanh^2 is not:
-    # modifiers.softcap); with fa_tanh_e above, one MUFU op serves both in a backward (tc_mods.cuh)
+    # modifiers.softcap)
     grad = "fa_sech2(s * cap[1])" if cap else "1.0f"
     return modifiers.ScoreMod(
         "flash_attn_bias", _fa_np, _fa_scalar, f"{capped} + {_FA_SLOPE} * {bias}", _fa_grad_np, _fa_grad_scalar,

@@ -17,8 +17,8 @@ Each is declared once, in the forms the backends need:
   modifier's text may also use `fi`, `fj`: i and j as floats, which the kernels form once per row and
   column of a tile (an int-to-float conversion per element runs at quarter rate, on the pipe the
   softmax's exponentials need), `fa_tanh(x)`, the hardware tanh, `fa_sech2(x)` = 1 - tanh^2 x with
-  a small relative error, and `fa_tanh_e(x)`, tanh from fa_sech2's exp(-2|x|) (one MUFU op for both
-  where a backward evaluates the two; kernels_cu/tc_mods.cuh). The text
+  a small relative error, and `fa_tanh_e(x)`, tanh from fa_sech2's exp(-2|x|) to an absolute 1.2e-5
+  (kernels_cu/tc_mods.cuh). The text
   "s" is the identity: the kernels compile no score modifier for it (sinks alone).
 
 A score modifier of the form mod(s) = post * core(pre * s) with host numbers pre, post > 0 (the
@@ -31,8 +31,10 @@ forward, hence the factored text, against the NumPy form like any other.
 A score modifier of the form mod(s) = s + slope(b, h) * (j - i) (ALiBi) may instead give
 `cuda_distance_slope`, the CUDA C expression of slope in b, h and the buffers: the forward kernels then
 start the S accumulator at the bias (in raw-score units, slope / |scale| times the distance) and the
-GEMM adds q.k to it, one FFMA per element where the generic text costs three after the GEMM. The
-backward keeps the `cuda` text, and the fuzzer checks the forward against the NumPy form as before.
+GEMM adds q.k to it, one FFMA per element where the generic text costs three after the GEMM (the
+Hopper rungs' wgmma backward seeds its S^T the same way; fa2-tc's backward compiles the `cuda` text,
+and so does every kernel where |scale| is below the kernels' floor, scale 0 included). The fuzzer
+checks both forms against the NumPy one as before.
 
 The backward needs d mod / d s, supplied the same ways (`grad`, `scalar_grad`, `cuda_grad`); a
 modifier without them is forward-only, and a backward with it is refused (ValueError).
@@ -270,12 +272,6 @@ class ScoreMod:
         slope = self.cuda_distance_slope or ""
         return hashlib.sha256((self.cuda_function() + core + "\0" + slope).encode()).hexdigest()[:16]
 
-    @property
-    def forward_raw(self) -> bool:
-        """The forward kernels' softmax sees raw scores (scale_log2 = |scale| log2 e): no score text is
-        compiled into the forward (the identity: sinks alone), or the bias is in the S accumulator
-        (cuda_distance_slope)."""
-        return self.is_identity or self.cuda_distance_slope is not None
 
     def forward_scales(self) -> tuple[float, float]:
         """(pre, post) of the factored form, (1, 1) without one: the forward kernel multiplies the score
@@ -411,9 +407,11 @@ def softcap(cap) -> ScoreMod:
     # op; libdevice's tanhf is a branchy exp / division / polynomial sequence) with 1 / cap folded into the
     # score's scale and cap into the softmax's, 2 FMULs per element fewer than the text (cap is a host number
     # there, so each cap reuses one module: the values travel as kernel arguments). The text, which the
-    # backward compiles beside the derivative, takes tanh as fa_tanh_e: from fa_sech2's own exp(-2|x|),
-    # so that one MUFU op serves both.
-    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh_e(s * cap[1])",
+    # backward compiles beside the derivative, uses the same fa_tanh, so that the backward's P is the
+    # forward's: fa_tanh_e (tanh from fa_sech2's own exponential, one MUFU op for both) measured no faster
+    # in wgmma2's backward on the H100, and its tanh differs from MUFU.TANH's by up to 4.9e-4, cap times
+    # that in P's exponent (bench/results/h100/2026-11-26-session-7.md).
+    return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
                     cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1] else None)
@@ -648,10 +646,12 @@ def _one_line(text: str, where: str) -> str:
     return " ".join(text.split())
 
 
-def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backward: bool = False) -> tuple:
+def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backward: bool = False,
+                 seed: bool = True) -> tuple:
     """NVRTC -D options that compile the modifiers into a tensor-core kernel module (tc_mods.cuh):
     the switches FA_SCORE_MOD, FA_SCORE_MOD_GRAD (backward; neither for an identity modifier, which
-    leaves the kernel's fast path: sinks alone), FA_SINKS, FA_MASK_MOD, the device functions
+    leaves the kernel's fast path: sinks alone), FA_DIST_BIAS (a forward of a distance bias with `seed`:
+    the host says the problem's scale allows it, variants/fa2_tc.seeds_bias), FA_SINKS, FA_MASK_MOD, the device functions
     (FA_MOD_FUNCS) and the buffers as kernel parameters and call arguments (FA_SM_* with prefix sm_,
     FA_MM_* with prefix mm_, so that no buffer name meets a kernel variable). () with neither: the
     module is the one without modifiers. ValueError for a backward through a forward-only modifier."""
@@ -662,7 +662,7 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
         where = f"score_mod {score_mod.name!r}"
         if backward and not score_mod.has_grad:
             raise ValueError(f"{where} has no derivative (cuda_grad): no backward can run with it")
-        if score_mod.cuda_distance_slope is not None and not backward:     # the bias seeds S (tc_mods.cuh)
+        if score_mod.cuda_distance_slope is not None and seed and not backward:   # the bias seeds S (tc_mods.cuh)
             opts.append("-DFA_DIST_BIAS=1")
             funcs.append(_cuda_fn("dist_slope", "", _one_line(score_mod.cuda_distance_slope, where), score_mod.buffers,
                                   indices="int b, int h"))

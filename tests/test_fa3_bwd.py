@@ -40,17 +40,22 @@ def test_wgmma2_is_a_backward_of_every_hopper_rung(name):
         bound.variant.impl.backward_plan(_problem(200), bound.config, {})
 
 
-def test_wgmma2_refuses_modifiers_in_the_backward():
+def test_wgmma_backwards_refuse_the_modifiers_they_do_not_take():
+    """A config naming wgmma2 takes score modifiers, not mask modifiers; one naming wgmma takes neither
+    (fa3_backward.takes_mods, the same rule "auto" routes by)."""
     from sandbox import modifiers
-    bound = sandbox.get_variant("fa3", bwd_kernel="wgmma2")
-    p = _problem(64, score_mod=modifiers.softcap(30.0))
-    bound.check(p, "forward")
-    with pytest.raises(ValueError, match="bwd_kernel=.mma.*fa3_bwd2.cu"):
-        bound.check(p, "backward")
+    doc = _problem(64, mask_mod=modifiers.document(np.arange(16) // 8))
+    soft = _problem(64, score_mod=modifiers.softcap(30.0))
+    for kernel, p in (("wgmma2", doc), ("wgmma", soft), ("wgmma", doc)):
+        bound = sandbox.get_variant("fa3", bwd_kernel=kernel)
+        bound.check(p, "forward")
+        with pytest.raises(ValueError, match="bwd_kernel=.mma.*fa3_bwd2.cu"):
+            bound.check(p, "backward")
+    sandbox.get_variant("fa3", bwd_kernel="wgmma2").check(soft, "backward")
 
 
 @pytest.mark.parametrize("name", ["fa3-wgmma", "fa3-ws", "fa3"])
-def test_a_wgmma_backward_config_lists_no_modifiers_and_the_fuzzer_draws_none(name):
+def test_a_wgmma_backward_config_lists_what_it_takes_and_the_fuzzer_draws_nothing_else(name):
     """registry.BoundVariant.caps narrows the variant's caps per config (impl.config_caps): the fuzzer
     draws within them, so `sandbox fuzz --variants fa3:bwd_kernel=wgmma2` never draws a modifier the
     config refuses (seen on the H100: it did before, and every such example was a ValueError)."""
@@ -61,12 +66,12 @@ def test_a_wgmma_backward_config_lists_no_modifiers_and_the_fuzzer_draws_none(na
     assert v.bind().caps.score_mod and v.bind().caps.mask_mod
     for kernel in fa3_backward.KERNELS:
         bound = v.bind(bwd_kernel=kernel)
-        assert not bound.caps.score_mod and not bound.caps.mask_mod
+        assert bound.caps.score_mod == (kernel == "wgmma2") and not bound.caps.mask_mod
 
         @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(fuzz.cases(bound, "float16"))
         def no_modifier(case):
-            assert "score_mod" not in case.options and "mask_mod" not in case.options
+            assert "mask_mod" not in case.options and ("score_mod" not in case.options or kernel == "wgmma2")
         no_modifier()
 
 
@@ -160,8 +165,9 @@ WGMMA2_TEXT_SPILLS = 128
 def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
     """ALiBi's bias seeds fa3_bwd2's S^T (-DFA_DIST_BIAS, the forward's options); the soft-cap and the relative
     bias compile their text and derivative in (-DFA_SCORE_MOD, the backward's): a module per modifier text and
-    dropout switch, built for sm_90a with no spills and no serialized wgmma; a mask modifier is refused by the
-    host (and would fail the build: the #error)."""
+    dropout switch, built for sm_90a with no serialized wgmma, no spills at D = 64 and for ALiBi, at most
+    WGMMA2_TEXT_SPILLS bytes for a text at D = 128; a mask modifier is refused by the host (and would fail the
+    build: the #error)."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from sandbox import compile_report
     from variants.fa2_tc import ModKernel
@@ -199,10 +205,11 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
-    """fa3's default backward ("auto") runs wgmma2 for ALiBi (seeded S^T), sinks, the soft-cap (large logits:
-    saturated scores) and a relative bias (text compiled in): against the oracle with GQA, ragged lengths,
-    causal, a window, dropout, a negative scale; a slope 10% off in the seeded form alone fails the check
-    (the kernel does use the seed), and so does a soft-cap derivative 10% off."""
+    """fa3's default backward ("auto") runs wgmma2 for ALiBi (seeded S^T; the text at scale 0, where the seed
+    cannot run), sinks, the soft-cap (large logits: saturated scores) and a relative bias (text compiled in):
+    against the oracle with GQA, ragged lengths, causal, a window, dropout, a negative scale. A slope 10% off
+    in the seeded form alone fails the check (forward and backward: both use the seed), and a soft-cap
+    derivative 10% off fails dq / dk with the forward still right."""
     from sandbox import fuzz, modifiers
     from variants.fa3_wgmma import resolve_bwd_kernel
     alibi = modifiers.alibi(-np.array([0.5, 0.25, 0.125, 0.0625]))
@@ -211,6 +218,7 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
                                                      "window": (60, 5)}, 2),
              fuzz.Case(1, 4, 4, 130, 130, d, dtype, {"score_mod": alibi, "causal": True, "dropout_p": 0.3, "seed": 9}, 3),
              fuzz.Case(1, 4, 2, 100, 190, d, dtype, {"score_mod": alibi, "scale": -0.3}, 4),
+             fuzz.Case(1, 4, 2, 100, 190, d, dtype, {"score_mod": alibi, "scale": 0.0, "causal": True}, 9),
              fuzz.Case(1, 4, 2, 100, 190, d, dtype, {"score_mod": modifiers.sinks([0.3, 1.0, -2.0, 0.0])}, 5),
              fuzz.Case(1, 4, 2, 120, 260, d, dtype, {"score_mod": modifiers.softcap(5.0), "causal": True}, 6,
                        logit_scale=8.0),
@@ -229,7 +237,7 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
     assert not all(v.ok for v in verdicts)
     cap = modifiers.softcap(5.0)
     bad_grad = dataclasses.replace(cap, name="softcap_bad_grad", cuda_grad="1.1f * fa_sech2(s * cap[1])")
-    verdicts = {v.name: v for v in fuzz.check_case(bound, dataclasses.replace(cases[5], options={
+    verdicts = {v.name: v for v in fuzz.check_case(bound, dataclasses.replace(cases[6], options={
         "score_mod": bad_grad, "causal": True}), "backward")}
     assert verdicts["out"].ok and not (verdicts["dq"].ok and verdicts["dk"].ok)
 

@@ -442,13 +442,13 @@ def test_softcap_forward_compiles_its_factored_core_and_the_backward_its_text():
     fwd = " ".join(modifiers.cuda_defines(cap, None, backward=False))
     bwd = " ".join(modifiers.cuda_defines(cap, None, backward=True))
     assert "return fa_tanh(s);" in fwd and "cap[0] * fa_tanh(s * cap[1])" not in fwd
-    assert "cap[0] * fa_tanh_e(s * cap[1])" in bwd and "fa_sech2" in bwd
+    assert "cap[0] * fa_tanh(s * cap[1])" in bwd and "fa_sech2" in bwd
     assert modifiers.alibi([0.5]).forward_scales() == (1.0, 1.0)
     # one module for every cap: the factor travels as a kernel argument, not as text
     assert modifiers.cuda_defines(modifiers.softcap(2.0), None) == modifiers.cuda_defines(cap, None)
     # a cap whose factors would leave float32's comfortable range compiles the whole text
     huge = modifiers.softcap(1e30)
-    assert huge.cuda_factored is None and "cap[0] * fa_tanh_e(s * cap[1])" in " ".join(modifiers.cuda_defines(huge, None))
+    assert huge.cuda_factored is None and "cap[0] * fa_tanh(s * cap[1])" in " ".join(modifiers.cuda_defines(huge, None))
 
 
 def test_factored_scales_reach_the_forward_arguments_only():
@@ -489,7 +489,15 @@ def test_alibi_forward_seeds_a_distance_bias_and_the_backward_compiles_its_text(
     assert "float dist_slope(int b, int h, const float* __restrict__ slopes, int slopes_shape0)" in fwd
     assert "return slopes[min(h, slopes_shape0 - 1)];" in fwd
     assert "-DFA_DIST_BIAS" not in bwd and "-DFA_SCORE_MOD=1" in bwd and "(fj - fi)" in bwd
-    assert al.forward_raw and not modifiers.softcap(3.0).forward_raw and modifiers.sinks([0.1]).forward_raw
+    # the seed needs |scale| log2 e above the kernels' floor (scale 0: the bias / |scale| would be inf): the text there
+    from variants.fa2_tc import LOG2E, forward_scale_log2, seeds_bias
+    q = np.zeros((1, 2, 4, 8), np.float16)
+    for scale, seeded in ((0.5, True), (-1e-3, True), (0.0, False), (1e-40, False)):
+        p = sandbox.problem.make_problem(q, q, q, scale=scale, score_mod=al)
+        assert seeds_bias(p) == seeded, scale
+        assert ("-DFA_DIST_BIAS=1" in modifiers.cuda_defines(al, None, seed=seeds_bias(p))) == seeded
+        assert forward_scale_log2(p) == (max(abs(scale) * LOG2E, 2.0 ** -100) if seeded else LOG2E)
+    assert not seeds_bias(sandbox.problem.make_problem(q, q, q, score_mod=modifiers.softcap(3.0)))
     # the slope text is part of the module key; a copy with a different slope is a different module
     other = dataclasses.replace(al, cuda_distance_slope="2.0f * slopes[min(h, slopes_shape0 - 1)]")
     assert other.cuda_key != al.cuda_key

@@ -60,10 +60,22 @@ def bwd_d_pad(d: int) -> int:
     return next((D for D in BWD_HEAD_DIMS if d <= D), BWD_HEAD_DIMS[-1] + 64)
 
 
+SCALE_LOG2_FLOOR = 2.0 ** -100
+
+
 def scale_log2(scale: float) -> float:
     """|scale| log2(e), at least 2^-100: the kernels need a positive factor. A zero scale becomes
     2^-100, which leaves every score's exponent 2^(s 2^-100 - m) equal to 1 in fp32, as it should."""
-    return max(abs(scale) * LOG2E, 2.0 ** -100)
+    return max(abs(scale) * LOG2E, SCALE_LOG2_FLOOR)
+
+
+def seeds_bias(p) -> bool:
+    """A distance bias (ScoreMod.cuda_distance_slope) goes into the S accumulator as slope (j - i) / |scale|
+    (kernels_cu/tc_mods.cuh), which needs |scale| log2 e above the floor of scale_log2: at scale 0 the seed
+    would be infinite, and below the floor the softmax's factor would not be |scale| log2 e. There the
+    modifier's text runs instead (FA_SCORE_MOD on the scaled scores)."""
+    sm = p.score_mod
+    return sm is not None and sm.cuda_distance_slope is not None and abs(p.scale) * LOG2E >= SCALE_LOG2_FLOOR
 
 
 # ---- config
@@ -323,7 +335,7 @@ class ModKernel:
         """None without modifiers: the module and kernels are the ones without them."""
         if p.score_mod is None and p.mask_mod is None:
             return None
-        opts = modifiers.cuda_defines(p.score_mod, p.mask_mod, backward)
+        opts = modifiers.cuda_defines(p.score_mod, p.mask_mod, backward, seed=seeds_bias(p))
         names = [f"{m.name}:{m.cuda_key}" for m in (p.score_mod, p.mask_mod) if m is not None]
         return cls(opts, p.dropout_p > 0, f", {', '.join(names)}")
 
@@ -359,7 +371,7 @@ def forward_scale_log2(p) -> float:
     units): log2 e, times the post factor of its factored form (modifiers.ScoreMod.cuda_factored); a distance
     bias in the S accumulator (cuda_distance_slope) keeps the raw scores' factor."""
     sm = p.score_mod
-    if sm is None or sm.forward_raw:
+    if sm is None or sm.is_identity or seeds_bias(p):
         return scale_log2(p.scale)
     return LOG2E * sm.forward_scales()[1]
 

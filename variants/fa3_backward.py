@@ -28,7 +28,7 @@ from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 
 from .fa2_tc import (CTYPE, ITEMSIZE, ModKernel, TCConfig, _check_aligned, _check_row_strides, _dropout_slots,
-                     check_alignment, d_pad, modifier_args)
+                     check_alignment, d_pad, modifier_args, seeds_bias)
 
 BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
@@ -46,7 +46,7 @@ def backward_mods(p) -> str:
         return "generic"
     if sm is None or sm.is_identity:
         return "none"
-    return "seed" if sm.cuda_distance_slope is not None else "text"
+    return "seed" if seeds_bias(p) else "text"
 
 
 def takes_mods(kernel: str, p) -> bool:

@@ -87,9 +87,10 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 
 # ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
 
-_WGMMA_BWD_MODS = ("a config naming bwd_kernel=\"wgmma\" or \"wgmma2\" takes no modifiers; bwd_kernel=\"mma\" runs "
-                   "them all on fa2-tc's backward, and \"auto\" (the default) score modifiers and sinks on "
-                   "kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's (kernels_cu/fa3_bwd.cu, \"wgmma\", has none)")
+_WGMMA_BWD_MODS = ("bwd_kernel=\"wgmma2\" takes score modifiers and sinks, not mask modifiers, and \"wgmma\" none; "
+                   "bwd_kernel=\"mma\" runs them all on fa2-tc's backward, and \"auto\" (the default) score "
+                   "modifiers and sinks on kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's (kernels_cu/fa3_bwd.cu "
+                   "has no modifiers)")
 
 
 def has_mods(p) -> bool:
@@ -110,7 +111,8 @@ def resolve_bwd_kernel(bwd_kernel: str, p) -> str:
 
 def modifier_errors(p, config, direction) -> list[str]:
     """fa2-tc's checks of a problem's modifiers (their CUDA text and buffers, the float positions), and
-    the backward's kernel: fa2-tc's (mma), which compiles them in; fa3_bwd.cu does not."""
+    the backward's kernel where a config names one: fa3_backward.takes_mods (wgmma2: score modifiers and
+    sinks; wgmma: sinks alone; fa2-tc's, "mma": everything)."""
     if not has_mods(p):
         return []
     for mod in (p.score_mod, p.mask_mod):          # their CUDA text and buffers, before any launch
@@ -121,8 +123,9 @@ def modifier_errors(p, config, direction) -> list[str]:
     if p.score_mod is not None and max(p.Nq, p.Nk) > MAX_FLOAT_POSITION:
         errs.append(f"a score modifier sees positions as floats fi, fj (kernels_cu/tc_mods.cuh), exact up to "
                     f"{MAX_FLOAT_POSITION}; Nq = {p.Nq}, Nk = {p.Nk}")
-    if direction in ("backward", "both") and config.bwd_kernel in fa3_backward.KERNELS:
-        errs.append(_WGMMA_BWD_MODS)          # "auto" takes fa2-tc's backward for a problem with modifiers
+    if (direction in ("backward", "both") and config.bwd_kernel in fa3_backward.KERNELS
+            and not fa3_backward.takes_mods(config.bwd_kernel, p)):
+        errs.append(_WGMMA_BWD_MODS)          # "auto" routes by fa3_backward.takes_mods
     return errs
 
 
@@ -251,9 +254,13 @@ class FA3Wgmma(FA2TensorCore):
         return units
 
     def config_caps(self, config, caps):
-        """A wgmma backward kernel (fa3_bwd.cu, fa3_bwd2.cu) takes no modifiers: such a config lists none."""
-        if config.bwd_kernel in fa3_backward.KERNELS:
+        """A config naming a wgmma backward lists what it takes (fa3_backward.takes_mods): wgmma2 (fa3_bwd2.cu)
+        score modifiers, not mask modifiers; wgmma (fa3_bwd.cu) neither (sinks alone, which the
+        capabilities cannot say apart, are refused there by modifier_errors' rule as well)."""
+        if config.bwd_kernel == "wgmma":
             return dataclasses.replace(caps, score_mod=False, mask_mod=False)
+        if config.bwd_kernel == "wgmma2":
+            return dataclasses.replace(caps, mask_mod=False)
         return caps
 
     def backward(self, p, dout, q, k, v, out, lse, config):
@@ -324,7 +331,7 @@ class FA3Wgmma(FA2TensorCore):
 
     def backward_plan(self, p, config, strides):
         self._refuse_wide_backward(p, config)
-        if has_mods(p):          # the generic path: fa2-tc's backward with the modifiers compiled in
+        if has_mods(p):          # the generic path (backward(): wgmma2 or fa2-tc's, with the modifiers compiled in)
             return None
         kernel = resolve_bwd_kernel(config.bwd_kernel, p)
         if kernel in fa3_backward.KERNELS:
@@ -335,11 +342,12 @@ class FA3Wgmma(FA2TensorCore):
 BWD_KERNEL = Param("bwd_kernel", ("auto", "mma", "wgmma", "wgmma2"), "auto", "backward kernels: mma, fa2-tc's "
                    "(mma.sync; modifiers compiled in); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, 128 keys per "
                    "block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per tile by bulk reductions, "
-                   "the GEMMs overlapped with the element-wise steps; 2x mma on the H100); auto: wgmma2 for d <= 128 "
-                   "without modifiers, else mma")
+                   "the GEMMs overlapped with the element-wise steps; 2x mma on the H100; score modifiers compiled "
+                   "in); auto: wgmma2 for d <= 128 without a mask modifier, else mma")
 # head dims: the forward's (multiples of 8 up to 256), the backward's the same with "mma" / "auto"; "wgmma" and
 # "wgmma2" stop at 128 (check() refuses past it: the registry has one head-dim list for both directions)
-# score_mod / mask_mod: compiled into the forward (tc_mods.cuh), the backward fa2-tc's with the same modifiers
+# score_mod / mask_mod: compiled into the forward (tc_mods.cuh); the backward wgmma2 with score modifiers, fa2-tc's
+# with a mask modifier (fa3_backward.backward_mods)
 CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)),
                     score_mod=True, mask_mod=True)
 
