@@ -64,36 +64,14 @@ __device__ __forceinline__ float softmax_exp2(float x, int n) {
 // kernel cost up to 400 bytes of spills (NVRTC 13, sm_90, D = 64, Br = Bc = 128, 4 warps).
 
 // s <- -inf where the element is not visible; called only for partial tiles and the tile that
-// crosses Nk (full tiles skip the element predicate). The band and the ranges per element, unrolled; a
-// block-sparse layout first into one bit per column of each of the thread's rows, in a rolled loop: its
-// lookups (two divisions and a 64-bit address per element) unrolled over the tile made fa3 with three
-// consumer warpgroups (160 registers) spill 64 bytes.
+// crosses Nk (full tiles skip the element predicate). The block-sparse lookups unrolled over the tile make
+// fa3 with three consumer warpgroups spill 64 bytes (in this path only: the SASS has its local loads beside
+// the layout's loads); computing the layout's bits in a rolled loop first cut that to 8 bytes but made the
+// default fa3's d = 64 forward 10-13% slower on the H100 (same run; the code of the loop around it changed),
+// so it is not done (bench/results/h100/2026-11-26-session-7.md).
 template <int MT, int NT>
 __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, const Mask& mask, int h,
                                             int row_base, int col0, int Nq, int Nk, int g, int tq) {
-    static_assert(2 * NT <= 64, "one bit per column of the thread's tile columns");
-    using Bits = unsigned long long;
-    Bits keep[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) keep[mt][0] = keep[mt][1] = ~Bits(0);
-    if (cls != TILE_FULL && mask.layout_heads != 0) {
-        const unsigned char* lay = mask.layout + (long long)(mask.layout_heads == 1 ? 0 : h) * mask.nbq * mask.nbk;
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const int i = row_base + mt * 16 + g;                   // and i + 8; rows past Nq: masked below
-            const unsigned char* row0 = lay + (long long)(min(i, Nq - 1) / mask.bq) * mask.nbk;
-            const unsigned char* row1 = lay + (long long)(min(i + 8, Nq - 1) / mask.bq) * mask.nbk;
-            Bits b0 = 0, b1 = 0;
-#pragma unroll 1
-            for (int c = 0; c < 2 * NT; ++c) {
-                const int jb = min(col0 + (c >> 1) * 8 + 2 * tq + (c & 1), Nk - 1) / mask.bk;
-                b0 |= Bits(row0[jb] != 0) << c;
-                b1 |= Bits(row1[jb] != 0) << c;
-            }
-            keep[mt][0] = b0;
-            keep[mt][1] = b1;
-        }
-    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -101,10 +79,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = row_base + mt * 16 + g + (e >= 2 ? 8 : 0);
-                const int j = col0 + n * 8 + 2 * tq + (e & 1), d = j - i;
-                const bool in_band = cls == TILE_FULL || (d >= mask.lo && d <= mask.hi &&
-                                                          ((keep[mt][e >> 1] >> (2 * n + (e & 1))) & 1u));
-                if (!(i < Nq && j < Nk && in_band)) s[mt][n][e] = NEG_INF;
+                const int j = col0 + n * 8 + 2 * tq + (e & 1);
+                if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j)))) s[mt][n][e] = NEG_INF;
             }
 }
 
