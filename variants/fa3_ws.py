@@ -211,7 +211,9 @@ register(Variant(
     impl=FA3WarpSpecialized("fa3-ws", overlap=False), params=PARAMS, caps=CAPS,
     seed_ref="FA3 paper Sec. 3.1, Algorithm 1",
     tags=("tc-ladder",),
-    bench_configs=({"stages": 3},)))
+    # consumers=3: the fastest spill-free d = 64 forward measured (Br = 192; 0.90-1.00x cuDNN non-causal on the
+    # H100, bench/results/h100/2026-11-26-session-7.md); at D = 128 it spills (not tuned)
+    bench_configs=({"stages": 3}, {"consumers": 3})))
 
 register(Variant(
     name="fa3", family="fa3", backend="cuda",
