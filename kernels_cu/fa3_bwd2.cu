@@ -212,9 +212,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // a distance bias (ALiBi; tc_mods.cuh): S^T starts at slope (j - i) / scale, so that P below is the
         // modified softmax's; its derivative is 1, so dS needs nothing more (variants/fa3_backward.py
         // backward_mods; sinks need nothing: P comes from lse; other score modifiers: FA_SCORE_MOD below)
-        // (S^T's rows are keys and its columns queries: slope (key - query) is seed_scores' slope (column - row)
-        // with the slope negated, exactly: a sign flip rounds nothing)
-        seed_scores(s, -dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);
+        seed_scores_t(s, dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);
 #endif
         wgmma_fence();
         wg_gemm_qk<T, D, BR, BC, FA_SEED_S>(s[0], k_rows, q_tile);   // S^T: this warpgroup's 64 keys x 64 queries

@@ -18,8 +18,8 @@
 //                       accumulator starts (seed_scores): one FFMA per element from an immediate instead of
 //                       the scale's FMUL, the distance's FADD and the slope's FFMA after the GEMM. A kernel
 //                       that seeds says so to mod_scores (SEEDED); one that does not fails to compile.
-//                       fa3_bwd2.cu (the wgmma backward) seeds its S^T with seed_scores too (rows are keys
-//                       there, so the slope negated): the derivative is 1, so that is all its backward needs.
+//                       fa3_bwd2.cu (the wgmma backward) seeds its S^T the same way (seed_scores_t): the
+//                       derivative is 1, so that is all its backward needs.
 //   FA_SINKS            a per-head sink logit in the softmax denominator (kernel argument mod_sink[Hq])
 //   FA_MASK_MOD         a mask modifier: bool mask_mod(int b, int h, int i, int j, buffers...)
 //   FA_MOD_FUNCS        the device functions above (the modifier's CUDA C text, on one line)
@@ -147,6 +147,19 @@ __device__ __forceinline__ void seed_scores(float (&s)[MT][NT][4], float slope, 
                 s[mt][n][e] = fmaf(slope, (float)(8 * n + (e & 1) - 16 * mt - (e >= 2 ? 8 : 0)), base);
 }
 
+// The same bias on a transposed tile S^T (the backward's: rows are keys key_base + g + 16 mt (+ 8), columns
+// queries q0 + 2 tq + 8 n (+ 1)), slope (key - query).
+template <int MT, int NT>
+__device__ __forceinline__ void seed_scores_t(float (&s)[MT][NT][4], float slope, int key_base, int q0, int g, int tq) {
+    const float base = slope * (float)(key_base + g - q0 - 2 * tq);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                s[mt][n][e] = fmaf(slope, (float)(16 * mt + (e >= 2 ? 8 : 0) - 8 * n - (e & 1)), base);
+}
 #define FA_SEED_S true
 #else
 #define FA_SEED_S false
