@@ -148,7 +148,8 @@ __device__ __forceinline__ void seed_scores(float (&s)[MT][NT][4], float slope, 
 }
 
 // The same bias on a transposed tile S^T (the backward's: rows are keys key_base + g + 16 mt (+ 8), columns
-// queries q0 + 2 tq + 8 n (+ 1)), slope (key - query).
+// queries q0 + 2 tq + 8 n (+ 1)), slope (key - query). Equal in value to seed_scores with the slope negated,
+// but a copy: that call made fa3_bwd2's D = 128 dropout build spill 4 bytes (NVRTC 13).
 template <int MT, int NT>
 __device__ __forceinline__ void seed_scores_t(float (&s)[MT][NT][4], float slope, int key_base, int q0, int g, int tq) {
     const float base = slope * (float)(key_base + g - q0 - 2 * tq);
