@@ -137,7 +137,9 @@ __device__ __forceinline__ void agree_row_max(float (&mx)[MT][2], float* xm, int
 // Used from D = 128 and without dropout (COND_RESCALE; with dropout P / (1 - p) up to 256 / (1 - p) would pass fp16's
 // 65504 from p = 0.9961 on, where 1 / (1 - p) alone reaches it only past 0.99998). On the H100 (fa3, fp16, A/B in one run each;
 // bench/results/h100/2026-11-26-session-7.md) it made D = 128's forward 2-3% faster; at D = 64, where O's
-// rescale is only 32 FMULs per thread, it measured 1-6% slower with the skip and 1-4% without it.
+// rescale is only 32 FMULs per thread, it measured 1-6% slower with the skip and 1-4% without it. The
+// mma.sync kernels (fa2-tc, fa1-tc, fa2-tc-naive) share it at D = 128 through softmax_update, checked against
+// the oracle on the GPU but not timed with and without it.
 #ifndef FA_RESCALE_SLACK
 #define FA_RESCALE_SLACK 8.0f
 #endif
