@@ -200,6 +200,7 @@ def test_write_stamps_every_output(tmp_path, monkeypatch):
     (["grid", "--baselines", "flashy"], "flashy"), (["grid", "--seqlens", "1024,abc"], "abc"),
     (["variants", "--shapes", "exact,fp8"], "fp8"), (["blocksparse", "--densities", "0.5,1.5"], "1.5"), (["blocksparse", "--densities", "0"], "outside"),
     (["io", "--sweep", "0"], "'0'"), (["softmax", "--backends", "triton"], "triton"),
+    (["modifiers", "--cases", "softcap,alibis"], "alibis"),
 ])
 def test_bad_options_are_rejected_before_anything_runs(argv, bad, capsys):
     from bench.__main__ import main
