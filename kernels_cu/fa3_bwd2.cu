@@ -3,7 +3,7 @@
 // Seed: FA2 paper (002) Algorithm 2 (column-parallel, P recomputed from the logsumexp, D = rowsum(dO o O)
 // precomputed, dQ accumulated in fp32 across the key blocks) with its five GEMMs on wgmma (FA3 paper
 // Sec. 3). The rung below is fa3_bwd.cu (bwd_kernel="wgmma"): the same tile (BC = 128 keys per block,
-// 64 per warpgroup, BR = 64 query rows per step, 256 threads, 1 block per SM), work list, masks,
+// 64 per warpgroup, BR = 64 query rows per step (128 at D = 64: change 4), 256 threads, 1 block per SM), work list, masks,
 // dropout replay, cp.async double buffer of Q / dO / lse / D and dK / dV epilogue. What changes:
 //
 // 1. dQ: both warpgroups' dS^T rows go to one shared panel (a 256-thread named barrier), and at D = 128
@@ -55,7 +55,17 @@
 //   of a tile's tensor time, dS, the dQ staging and the tile boundary run under GEMMs).
 //   fwd + bwd from torch: ~245 -> 340-390 TFLOP/s (cuDNN 534: 0.65-0.73x). Causal about the same ratios;
 //   d = 64 +30-50% (twice d = 128's element-wise work per FLOP at BR = 64: it stays further from cuDNN).
-// Not yet measured.
+// Measured: bench/results/h100/ (session 5 on).
+//
+// 4. BR = 128 query rows per step at D = 64 without dropout or a score modifier's text (FA3's hdim-64 tile,
+//    128 x 128; variants/fa3_backward.py rows2). Each warpgroup's S^T and dP^T are m64n128 (at m64n64 with
+//    both operands in shared memory a wgmma needs the SM's whole 128 B/clk: every step was bound by shared
+//    memory), each warpgroup's dQ block is whole (64 queries x 64 over all 128 keys, from dS^T panel wg), so
+//    the partial exchange of BR = 64 goes, and the barriers and waits per FLOP halve. Per 128 queries the
+//    shared-memory traffic drops from ~480 KB to ~384 KB. The visibility of a masked tile is taken as bits
+//    under the GEMMs (VIS_BITS), which is what made it fit in 255 registers (251, no spills, NVRTC 13).
+//    Predicted (H100, fp16, d = 64, N = 4k-16k, B H = 64): backward +15-25% over BR = 64 non-causal (about
+//    300 -> 350-380 TFLOP/s), less causal; forward + backward from 0.70-0.79x cuDNN to 0.78-0.85x.
 //
 // Score modifiers (issue 18; variants/fa3_backward.py backward_mods): a distance bias (ALiBi) seeds S^T as the
 // forward seeds S; any other score modifier with a derivative compiles its text (tc_mods.cuh FA_SCORE_MOD,
@@ -64,15 +74,16 @@
 // mask modifier's classes).
 //
 // Kernels
-//   fa3_bwd2<T, D, R, DROPOUT>   grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K.
+//   fa3_bwd2<T, D, BR, R, DROPOUT>  grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K;
+//                                   BR = 64, or 128 at D = 64 without dropout (change 4).
 //   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T.
 // Envelope: D in {64, 128}; sm_90a. Not deterministic (reduction order); the deterministic dQ stays
 // fa2-tc's (variants/fa3_wgmma.py).
 // Shared memory (bytes, variants/fa3_backward.py smem2): K, V 2 * 128 D * 2; Q, dO two buffers each
-// 4 * 64 D * 2; dS^T 128 * 64 * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * 64 * 4; 1024 of
-// alignment: 215040 at D = 128, 149504 at D = 64.
-// Compile report (NVRTC 13, sm_90a, fp16 = bf16, as -DFA3_BWD2_SERIAL): D = 128 250 registers (255 with
-// dropout), D = 64 187 (225), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26.
+// 4 * BR D * 2; dS^T 128 * BR * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * BR * 4; 1024 of
+// alignment: 215040 at D = 128, 199680 at D = 64 (BR = 128), 149504 at D = 64 with dropout (BR = 64).
+// Compile report (NVRTC 13, sm_90a, fp16 = bf16): D = 128 250 registers (255 with dropout), D = 64 251
+// (BR = 128; 225 with dropout at BR = 64), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26.
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
@@ -97,7 +108,7 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int sr
 
 // ---- kernels
 
-template <typename T, int D, int R, bool DROPOUT>
+template <typename T, int D, int BR, int R, bool DROPOUT>
 __global__ void __launch_bounds__(256, 1)
 fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
          const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
@@ -105,22 +116,26 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
          const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
          const float* __restrict__ LSE,      // [B, Hq, Nq]
          const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
-         float* __restrict__ dQacc,          // [B*Hq, ceil(Nq/64), 64 D] fp32 in accumulator order, zeroed
+         float* __restrict__ dQacc,          // [B*Hq, ceil(Nq/64), 64 D] fp32 in accumulator order, zeroed (64-row tiles)
          T* __restrict__ dK,                 // [B, Hkv, Nk, d] contiguous
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
          const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
          int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
          float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: score modifiers only (below)
-    constexpr int THREADS = 256, BR = 64, BC = 128;
+    constexpr int THREADS = 256, BC = 128;
     constexpr int NQ = BR / 8, ND = D / 8;
-    constexpr unsigned STAGE = BR * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
+    constexpr unsigned STAGE = 64 * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
+    static_assert(BR == 64 || (BR == 128 && D == 64 && !DROPOUT), "BR = 128 only at D = 64 without dropout");
+    // Who computes which dQ block (below): a warpgroup's block is 64 queries x 64 columns; SPLIT_KEYS (D = 64,
+    // BR = 64): both warpgroups compute the one block over their own 64 keys and add the partials.
+    constexpr bool SPLIT_KEYS = D == 64 && BR == 64;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned sK = (smem_addr(smem_raw) + 1023u) & ~1023u;   // [D/64][BC][64] panels
     const unsigned sV = sK + BC * D * 2;
     const unsigned sQ = sV + BC * D * 2;                            // [2][D/64][BR][64]
     const unsigned sdO = sQ + 2 * BR * D * 2;                       // [2][D/64][BR][64]
-    const unsigned sdS = sdO + 2 * BR * D * 2;                      // [BC][BR]: dS^T, one panel (BR = 64)
+    const unsigned sdS = sdO + 2 * BR * D * 2;                      // [BR/64][BC][64]: dS^T, query panels
     const unsigned sdQ = sdS + BC * BR * 2;                         // [2 warpgroups][2][STAGE]: dQ staging
     constexpr unsigned QBUF = BR * D * 2;
     float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 4 * STAGE - smem_addr(smem_raw)));   // [2][BR] lse
@@ -132,7 +147,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
     const int wt = threadIdx.x % 128;                             // thread of the warpgroup
     const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
     const int col0 = tc * BC, wkey = warp * 16, dch = d / 8;     // the warp's 16 keys of the tile
-    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
+    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC, nT64 = (Nq + 63) / 64;
     const float scale_log2 = scale * LOG2E_F;
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
@@ -176,15 +191,17 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
     };
 
     int gi = 0, t = t0 - 1, buf = 0;                  // the work list's next tile; its Q / dO buffer
-    // The thread that issues a warpgroup's dQ reductions (D = 128: both warpgroups; D = 64: warpgroup 0), and
-    // the block staged in the last tile, reduced at the start of the next (after its block barrier): `pend` =
-    // (b*Hq + h) * ceil(Nq / 64) + its Q tile, -1 for none; its staging buffer is that tile's Q / dO buffer
-    // index (both alternate per tile), buf ^ 1 until buf moves on in this tile.
-    const bool issuer = wt == 0 && (D == 128 || wg == 0);
+    // The thread that issues a warpgroup's dQ reductions (both warpgroups; warpgroup 0 alone with SPLIT_KEYS),
+    // and the block staged in the last tile, reduced at the start of the next (after its block barrier): `pend`
+    // = (b*Hq + h) * ceil(Nq / 64) + the block's 64-row tile, -1 for none (or a tile past Nq: BR = 128 with
+    // ceil(Nq / 64) odd, whose block is zero); at D = 128 the block is column panel wg of that tile. Its staging
+    // buffer is that tile's Q / dO buffer index (both alternate per tile), buf ^ 1 until buf moves on in this tile.
+    const bool issuer = wt == 0 && (!SPLIT_KEYS || wg == 0);
     int pend = -1;
     auto reduce_pending = [&]() {
         if (issuer && pend >= 0) {
-            bulk_reduce_add_f32(dQacc + (long long)pend * (BR * D) + wg * (BR * 64), sdQ + (wg * 2 + (buf ^ 1)) * STAGE, STAGE);
+            bulk_reduce_add_f32(dQacc + (long long)pend * (64 * D) + (D == 128 ? wg * (64 * 64) : 0),
+                                sdQ + (wg * 2 + (buf ^ 1)) * STAGE, STAGE);
             bulk_commit();
         }
     };
@@ -215,7 +232,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         seed_scores_t(s, dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);
 #endif
         wgmma_fence();
-        wg_gemm_qk<T, D, BR, BC, FA_SEED_S>(s[0], k_rows, q_tile);   // S^T: this warpgroup's 64 keys x 64 queries
+        wg_gemm_qk<T, D, BR, BC, FA_SEED_S>(s[0], k_rows, q_tile);   // S^T: this warpgroup's 64 keys x BR queries
         wgmma_commit();
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();
@@ -235,6 +252,28 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
                         dropped |= 1u << (4 * n + e);
                 }
         }
+        // VIS_BITS (BR = 128): a masked tile's visibility as bits too (bit 4 n + e set where element (n, e) is out
+        // of range or masked), computed here under the GEMMs, so that the exponent loops below test a bit per
+        // element instead of evaluating the mask: with the mask's arithmetic among 64 S^T accumulators there,
+        // ptxas copied them to other registers and spilled 72 bytes (NVRTC 13).
+        constexpr bool VIS_BITS = BR == 128;
+        const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+        unsigned long long hidden = 0ull;
+        if (VIS_BITS && masked) {
+#pragma unroll 1
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = row0 + n * 8 + 2 * tq + (e & 1), j = col0 + wkey + g + (e >= 2 ? 8 : 0);
+                    if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))))
+                        hidden |= 1ull << (4 * n + e);
+                }
+        }
+        // whether element (n, e), query row0 + x, key j, is in range and visible (a masked tile's test)
+        auto in_mask = [&](int n, int e, int i, int j) {
+            return VIS_BITS ? !((hidden >> (4 * n + e)) & 1ull)
+                            : i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j));
+        };
         wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
         fence_accumulators(s[0]);
         fence_accumulators(dk[0]);
@@ -251,7 +290,6 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // P = 2^(S scale_log2 - lse) where visible; element (n, e): query x = 8 n + 2 tq + (e & 1), key
         // wkey + g + 8 (e >= 2). Two copies of the loop: full tiles (every tile of a non-causal problem but
         // the edges) test only for dead rows (lse = -inf), without the per-element branches of the mask.
-        const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
         auto factor = [&](int n, int e) {             // Z / (1 - p) of element (n, e) (1 without dropout)
             return DROPOUT ? ((dropped >> (4 * n + e)) & 1u ? 0.0f : keep_factor) : 1.0f;
         };
@@ -265,7 +303,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
                     const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;     // query
                     const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);         // key
                     const float L = cL[x] * LOG2E_F;                            // lse in log2 units
-                    const bool vis = L != NEG_INF && (!check || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                    const bool vis = L != NEG_INF && (!check || in_mask(n, e, i, j));
                     s[0][n][e] = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L) : 0.0f;
                 }
         };
@@ -295,8 +333,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
                         const int e = e0 + u, x = n * 8 + 2 * tq + u, i = row0 + x;
                         const int dj = e >= 2 ? 8 : 0, j = col0 + wkey + g + dj;
                         const float L = cL[x] * LOG2E_F;
-                        const bool vis = L != NEG_INF &&
-                                         (!check || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                        const bool vis = L != NEG_INF && (!check || in_mask(n, e, i, j));
                         float p = 0.0f, grad = 0.0f;
                         if (vis) {
                             const float xs = s[0][n][e] * scale, fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
@@ -335,31 +372,32 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
                 const int n = 2 * kk + q / 2, e0 = 2 * (q % 2);
                 pd[kk][q] = Elem<T>::pack(dp[0][n][e0], dp[0][n][e0 + 1]);
             }
-        // dS^T (16-bit) into its panel: key row r, query c at r * 128 + ((c / 8) ^ (r % 8)) * 16 + (c % 8) * 2;
-        // pd[n / 2][2 (n % 2) + hr] holds row wkey + g + 8 hr, queries 8 n + 2 tq, + 1
+        // dS^T (16-bit) into its panels: key row r, query c at (c / 64) BC 128 + r * 128 + ((c % 64 / 8) ^ (r % 8)) * 16
+        // + (c % 8) * 2; pd[n / 2][2 (n % 2) + hr] holds row wkey + g + 8 hr, queries 8 n + 2 tq, + 1
 #pragma unroll
         for (int n = 0; n < NQ; ++n)
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
                 const int r = wkey + g + 8 * hr, c = n * 8 + 2 * tq;
-                const unsigned addr = sdS + r * 128 + (((c / 8) ^ (r % 8)) << 4) + (c % 8) * 2;
+                const unsigned addr = sdS + (c / 64) * (BC * 128) + r * 128 + ((((c % 64) / 8) ^ (r % 8)) << 4) + (c % 8) * 2;
                 asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(pd[n / 2][2 * (n % 2) + hr]));
             }
         fence_proxy_async();
         named_sync(1, THREADS);                       // both warpgroups' dS^T rows are in the panel
         wgmma_fence();
 
-        // dQ block of this warpgroup: 64 queries x 64 columns (K panel kp) over KEYS keys from key k0, A = the
-        // dS^T panel rows k0.. read MN-major (queries contiguous), B = K panel kp MN-major (d contiguous); k16
-        // steps 16 keys (2048 bytes) apart. D = 128: columns 64 wg.., all 128 keys; D = 64: all 64 columns over
-        // this warpgroup's 64 keys (a partial, added to warpgroup 0's below). No branch on the warpgroup
-        // around a wgmma (ptxas serializes every wgmma of a kernel that has one).
-        constexpr int KEYS = D == 128 ? BC : BC / 2;
-        const int k0 = D == 128 ? 0 : wg * 64, kp = D == 128 ? wg : 0;
+        // dQ block of this warpgroup: 64 queries (dS^T panel qp) x 64 columns (K panel kp) over KEYS keys from
+        // key k0, A = the dS^T panel's rows k0.. read MN-major (queries contiguous), B = K panel kp MN-major
+        // (d contiguous); k16 steps 16 keys (2048 bytes) apart. D = 128: columns 64 wg.., all 128 keys; D = 64,
+        // BR = 128: queries 64 wg.., all 128 keys; SPLIT_KEYS: all of it over this warpgroup's 64 keys (a
+        // partial, added to warpgroup 0's below). No branch on the warpgroup around a wgmma (ptxas serializes
+        // every wgmma of a kernel that has one).
+        constexpr int KEYS = SPLIT_KEYS ? BC / 2 : BC;
+        const int k0 = SPLIT_KEYS ? wg * 64 : 0, kp = D == 128 ? wg : 0, qp = BR == 128 ? wg : 0;
         float dq[8][4];
 #pragma unroll
         for (int kk = 0; kk < KEYS / 16; ++kk) {
-            const unsigned long long da = wgmma_desc(sdS + (k0 + kk * 16) * 128, 1024, 1024);
+            const unsigned long long da = wgmma_desc(sdS + qp * (BC * 128) + (k0 + kk * 16) * 128, 1024, 1024);
             const unsigned long long db = wgmma_desc(sK + kp * BC * 128 + (k0 + kk * 16) * 128, BC * 128, 1024);
             Wgmma<T, 64, true>::ss_ta(dq, da, db, kk > 0);
         }
@@ -369,7 +407,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // across the loop's back edge makes ptxas wait for it and copy the next S^T accumulators (NVRTC 13)
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk)
-            Wgmma<T, D, true>::ss(dk[0], wgmma_desc(sdS + wg * 64 * 128 + kk * 32, 16, 1024),
+            Wgmma<T, D, true>::ss(dk[0], wgmma_desc(sdS + (kk / 4) * (BC * 128) + wg * 64 * 128 + (kk % 4) * 32, 16, 1024),
                                   wgmma_desc(q_tile + kk * 2048, BR * 128, 1024), 1);
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
@@ -378,10 +416,10 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         fence_accumulators(dv[0]);
 
         // Stage the block in accumulator order (thread wt's n8 tile n at (n * 128 + wt) * 16 bytes) for one
-        // bulk reduction per 16 KB, issued after the next block barrier. D = 64: warpgroup 1 stages its
+        // bulk reduction per 16 KB, issued after the next block barrier. SPLIT_KEYS: warpgroup 1 stages its
         // partial and arrives; warpgroup 0 adds it to its own first.
         const unsigned stage = sdQ + (wg * 2 + cbuf) * STAGE;
-        if (D == 64 && wg == 0) {
+        if (SPLIT_KEYS && wg == 0) {
             named_sync(2, THREADS);                   // warpgroup 1's partial is staged
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -400,8 +438,9 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
             asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n"
                          :: "r"(stage + (n * 128 + wt) * 16), "f"(dq[n][0]), "f"(dq[n][1]), "f"(dq[n][2]), "f"(dq[n][3])
                          : "memory");
-        if (D == 64 && wg == 1) named_arrive(2, THREADS);   // read by warpgroup 0; rewritten two tiles on
-        pend = bh * nTr + ct;
+        if (SPLIT_KEYS && wg == 1) named_arrive(2, THREADS);   // read by warpgroup 0; rewritten two tiles on
+        const int tile64 = ct * (BR / 64) + (BR == 128 ? wg : 0);
+        pend = tile64 < nT64 ? bh * nT64 + tile64 : -1;
     }
     wgmma_wait<0>();                                  // the last dK
     fence_accumulators(dk[0]);

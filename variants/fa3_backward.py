@@ -4,7 +4,8 @@
 Seed: FA2 paper Algorithm 2 (column-parallel, P recomputed from the logsumexp, D = rowsum(dO o O)
 precomputed, dQ accumulated in fp32 across key blocks) with its five GEMMs on wgmma (FA3 paper Sec. 3).
 The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot). Tile: 128 keys per block
-(64 per warpgroup), 64 query rows per step.
+(64 per warpgroup), 64 query rows per step; wgmma2 takes 128 at d <= 64 without dropout or a modifier's
+text (`rows2`: FA3's 128 x 128 tile for head dim 64).
 - wgmma: dQ by float4 atomics of each warpgroup's key half into an fp32 dq, cast at the end (as
   fa2-tc's atomic backward).
 - wgmma2: one dQ partial per block and Q tile (the warpgroups split its columns), staged in shared
@@ -130,33 +131,47 @@ def backward_plan(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
 
 # ---- bwd_kernel="wgmma2": kernels_cu/fa3_bwd2.cu
 
-def name2(dtype: str, D: int, dropout: bool, rounds: int) -> str:
-    return f"fa3_bwd2<{CTYPE[dtype]}, {D}, {rounds}, {'true' if dropout else 'false'}>"
+def rows2(D: int, dropout: bool, text_mod: bool = False) -> int:
+    """fa3_bwd2's query rows per step (BR): 128 at D = 64 without dropout or a score modifier's text (FA3's
+    128 x 128 tile for head dim 64: each warpgroup's S^T and dP^T are m64n128, twice the work per
+    barrier and per operand byte of m64n64, and the two warpgroups' dQ blocks are whole, not partials
+    over their keys), else 64 (dropout's keep bits, a modifier's text or D = 128's accumulators leave no
+    registers for 128)."""
+    return 128 if D == 64 and not dropout and not text_mod else 64
+
+
+def name2(dtype: str, D: int, dropout: bool, rounds: int, rows: int | None = None) -> str:
+    rows = rows2(D, dropout) if rows is None else rows
+    return f"fa3_bwd2<{CTYPE[dtype]}, {D}, {rows}, {rounds}, {'true' if dropout else 'false'}>"
 
 
 def dq_name(dtype: str) -> str:
     return f"fa3_bwd2_dq<{CTYPE[dtype]}>"
 
 
-def smem2(D: int) -> int:
-    """fa3_bwd.cu's tiles (K, V, two buffers of Q and dO, the dS^T panel), the dQ staging (two 16 KB fp32
-    blocks per warpgroup), two buffers of lse and D, 1024 bytes of alignment slack: 215040 bytes at
-    D = 128, 149504 at D = 64."""
-    return ITEMSIZE * (2 * BC * D + 4 * BR * D + BC * BR) + 2 * 2 * BR * 64 * 4 + 4 * 4 * BR + 1024
+def smem2(D: int, rows: int = BR) -> int:
+    """K, V, two buffers of Q and dO (`rows` each), the dS^T panels, the dQ staging (two 16 KB fp32 blocks
+    per warpgroup), two buffers of lse and D, 1024 bytes of alignment slack: 215040 bytes at D = 128,
+    149504 at D = 64 with 64 rows, 199680 with 128."""
+    return ITEMSIZE * (2 * BC * D + 4 * rows * D + BC * rows) + 2 * 2 * 64 * 64 * 4 + 4 * 4 * rows + 1024
 
 
 def acc_shape(p, D: int) -> tuple:
-    """fa3_bwd2's fp32 dQ accumulator: per (b, h) and 64-row Q tile, 64 D floats in accumulator order."""
-    return (p.B * p.Hq, -(-p.Nq // BR), BR * D)
+    """fa3_bwd2's fp32 dQ accumulator: per (b, h) and 64-row Q tile (whatever the kernel's BR), 64 D floats
+    in accumulator order."""
+    return (p.B * p.Hq, -(-p.Nq // 64), 64 * D)
 
 
-def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None) -> CompileUnit:
-    """Both dropout switches and the dq kernel in one module; `serial` (default SERIAL) adds
-    -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a score modifier's
-    options (backward_mods "seed": the forward's, ModKernel.of(p); "text": the backward's), one dropout switch."""
+def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None,
+          text_mod: bool = False) -> CompileUnit:
+    """Both dropout switches (each with its rows2) and the dq kernel in one module; `serial` (default
+    SERIAL) adds -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a
+    score modifier's options (backward_mods "seed": the forward's, ModKernel.of(p); "text": the backward's,
+    with `text_mod`), one dropout switch."""
     serial = SERIAL if serial is None else serial
-    main = tuple(name2(dtype, D, drop, rounds) for drop in ((False, True) if mods is None else (mods.dropout,)))
-    shared = {n: smem2(D) for n in main}
+    drops = (False, True) if mods is None else (mods.dropout,)
+    main = tuple(name2(dtype, D, drop, rounds, rows2(D, drop, text_mod)) for drop in drops)
+    shared = {n: smem2(D, rows2(D, drop, text_mod)) for n, drop in zip(main, drops)}
     shared[dq_name(dtype)] = 0
     opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
     return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype)), opts, shared,
@@ -202,17 +217,19 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
-    tiles, tile_heads = tile_table(p, BR, BC, xp)
+    rows = rows2(D, dropout, need == "text")
+    tiles, tile_heads = tile_table(p, rows, BC, xp)
     # a distance bias: the forward's options (FA_DIST_BIAS; FA_SINKS harmless); a score modifier: the backward's
     # (its text and derivative); sinks alone: none (the module without modifiers)
     mods = {"seed": ModKernel.of(p), "text": ModKernel.of(p, backward=True)}.get(need)
-    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds)
+    u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=need == "text")
+    kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
     operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
     launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
            _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
            + (modifier_args(p, 1, xp) if mods is not None else ()),
            shared_mem=u.dynamic_smem[kname])
-    launch(u, dq_name(p.dtype), (-(-p.Nq // BR), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
+    launch(u, dq_name(p.dtype), (-(-p.Nq // 64), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))
     return dq, dk, dv
 
@@ -226,7 +243,7 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     D, dropout = d_pad(p.d), p.dropout_p > 0
     pre = tc.backward_unit(p.dtype, D)
     u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
-    tiles, tile_heads = tile_table(p, BR, BC, xp)
+    tiles, tile_heads = tile_table(p, rows2(D, dropout), BC, xp)
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
     rows = p.B * p.Hq * p.Nq
     operands = tuple(x for nm in ("q", "k", "v", "dout") for x in (Slot(nm), *st[nm])) + (Slot("lse"), Slot("D"))
@@ -237,7 +254,7 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
         PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
                      _args2(p, operands, Slot("dq_acc"), Slot("dk"), Slot("dv"), tiles, tile_heads, xp,
                             _dropout_slots(p))),
-        PackedLaunch(get_kernel(u, dq_name(p.dtype)).kernel, (-(-p.Nq // BR), p.B * p.Hq), (256,), 0,
+        PackedLaunch(get_kernel(u, dq_name(p.dtype)).kernel, (-(-p.Nq // 64), p.B * p.Hq), (256,), 0,
                      (Slot("dq_acc"), Slot("dq"), i32(p.Nq), i32(p.d), i32(D), f32(p.scale)))]
 
     def run(ptr, seed, offset, stream):
