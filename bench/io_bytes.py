@@ -70,10 +70,10 @@ def tiles_of(bound, d: int) -> tuple[int, int, int] | None:
     padded to the 64 or 128 every kernel is built for; a per-device rule (`for_head_dim`) is resolved.
     None for a config without tiles (materialised attention)."""
     cfg, D = bound.config, 64 if d <= 64 else 128
-    if not hasattr(cfg, "block_r"):
-        return None
     if hasattr(cfg, "for_head_dim"):
         cfg = cfg.for_head_dim(D)
+    if not hasattr(cfg, "block_r"):
+        return None
     bc = cfg.bc(D) if callable(getattr(cfg, "bc", None)) else cfg.block_c
     if hasattr(cfg, "bwd_tile"):
         bwd_bc = cfg.bwd_tile(D)[1]

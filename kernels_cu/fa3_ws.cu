@@ -159,7 +159,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                        row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
-                mask_scores(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
+                mask_scores<1, NT, NC == 3>(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
 #endif
             float mx[1][2];
             row_max(s, mx);

@@ -64,14 +64,39 @@ __device__ __forceinline__ float softmax_exp2(float x, int n) {
 // kernel cost up to 400 bytes of spills (NVRTC 13, sm_90, D = 64, Br = Bc = 128, 4 warps).
 
 // s <- -inf where the element is not visible; called only for partial tiles and the tile that
-// crosses Nk (full tiles skip the element predicate). The block-sparse lookups unrolled over the tile make
-// fa3 with three consumer warpgroups spill 64 bytes (in this path only: the SASS has its local loads beside
-// the layout's loads); computing the layout's bits in a rolled loop first cut that to 8 bytes but made the
-// default fa3's d = 64 forward 10-13% slower on the H100 (same run; the code of the loop around it changed),
-// so it is not done (bench/results/h100/2026-11-26-session-7.md).
-template <int MT, int NT>
+// crosses Nk (full tiles skip the element predicate). With three consumer warpgroups (160 registers a
+// thread) fa3 spilled 64 bytes here: ptxas evaluated the 64 band predicates of a thread into registers before
+// applying them (the SASS of session 8; session 7 had blamed the block-sparse lookups, but the spill stayed
+// with them compiled out). BY_ROW (fa3_ws.cu at three consumers) takes a band without a block-sparse layout
+// row by row: one interval of visible keys per row, two compares of a compile-time column offset per
+// element; spill-free. A rolled loop gathering the layout's bits (session 7) made the default fa3's d = 64
+// forward 10-13% slower on the H100, so two warpgroups keep this loop as it was.
+template <int MT, int NT, bool BY_ROW = false>
 __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, const Mask& mask, int h,
                                             int row_base, int col0, int Nq, int Nk, int g, int tq) {
+    if constexpr (BY_ROW) {
+        if (mask.layout_heads == 0) {
+            // BY_ROW, a band alone: a row's visible keys are one interval, [i + lo, i + hi] within [0, Nk), so each
+            // element is two compares of its (compile-time) column offset against the row's bounds
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int i = row_base + mt * 16 + g + 8 * hr, c0 = col0 + 2 * tq;
+                    // |lo|, |hi| <= 2^30 (sandbox/masks.py UNBOUNDED) and i, Nk < 2^30: no overflow
+                    const int first = i + mask.lo - c0;
+                    const int last = i < Nq ? min(i + mask.hi, Nk - 1) - c0 : -1 - c0 - NT * 8;
+#pragma unroll
+                    for (int n = 0; n < NT; ++n)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u) {
+                            const int c = n * 8 + u;
+                            if (c < first || c > last) s[mt][n][2 * hr + u] = NEG_INF;
+                        }
+                }
+            return;
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

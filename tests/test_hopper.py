@@ -1,5 +1,6 @@
 """The Hopper rungs without a GPU: the generated wgmma wrappers, architecture-specific compile units
 (sm_90a builds, none for sm_80), and the clear refusal on a GPU that is not sm_90."""
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -103,13 +104,37 @@ def test_head_dims_pad_to_the_kernels_and_pick_fa3s_key_tiles():
     assert AUTO_BC == {64: 128, 128: 128, 192: 112, 256: 80}
     for name in WIDE_RUNGS:
         cfg = sandbox.get_variant(name).config
-        assert cfg.block_c == "auto" and cfg.block_r == 128
+        at128 = cfg.for_head_dim(128) if hasattr(cfg, "for_head_dim") else cfg
+        assert cfg.block_c == "auto" and at128.block_r == 128
         # the former default block_c=128 is what auto builds at D <= 128: the same kernels
         assert [cfg.bc(D) for D in (64, 128, 192, 256)] == [128, 128, 112, 80]
         assert cfg.forward_name("float16", 128, False) == sandbox.get_variant(name, block_c=128).config.forward_name(
             "float16", 128, False)
         assert ", 256, 80, 2," in cfg.forward_name("bfloat16", 256, True)
         assert list(sandbox.get_variant(name).variant.caps.head_dims) == list(range(8, 257, 8))
+
+
+def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
+    """fa3 / fa3-ws consumers="auto": Br = 192 at D = 64 (three consumer warpgroups, spill-free since the
+    band mask goes row by row there), two elsewhere, with modifiers (a soft-cap's text spills at 160
+    registers) and with ping-pong; an explicit count stays; an unresolved config refuses Br."""
+    from sandbox import modifiers
+    for name in ("fa3", "fa3-ws"):
+        cfg = sandbox.get_variant(name).config
+        assert cfg.consumers == "auto"
+        assert [cfg.for_head_dim(D).consumers for D in (64, 128, 192, 256)] == [3, 2, 2, 2]
+        assert cfg.for_head_dim(64, mods=True).consumers == 2
+        assert cfg.for_head_dim(64).block_r == 192 and cfg.for_head_dim(64).threads == 512
+        assert ", 64, 128, 3, 2," in cfg.forward_name("float16", 64, False)
+        assert ", 64, 128, 2, 2," in cfg.forward_name("float16", 64, False, mods=True)
+        assert cfg.forward_smem(64) == 2 * 64 * (192 + 2 * 2 * 128) + 8 * 9 + 1024
+        assert sandbox.get_variant(name, consumers=2).config.for_head_dim(64).consumers == 2
+        with pytest.raises(ValueError, match="for_head_dim"):
+            cfg.block_r
+        assert cfg.for_head_dim(64).envelope_errors(64) == [] and cfg.envelope_errors(64) == []
+        sm = dataclasses.replace(_problem(64), score_mod=modifiers.softcap(5.0))
+        assert sandbox.get_variant(name).variant.impl._resolved(sm, cfg).consumers == 2
+    assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64).consumers == 2
 
 
 def test_wide_default_tiles_fit_shared_memory():

@@ -88,15 +88,17 @@ def test_forward_arguments_match_the_kernel_parameters(name, sm_name, mm_name):
     assert got == _declared_params(mods.options)
     cap = sm.params.get("cap") if sm is not None else None    # the soft-cap's forward folds 1 / cap in
     assert rest[1] == np.float32(0.3 / cap if cap else 0.3)   # |scale|: K is negated on the host
-    grid = (-(-NQ // cfg.block_r), -(-NK // cfg.bc(D)))
+    # fa3's consumers="auto" resolves per head dim and modifiers: Br 128 with them, 192 at D = 64 without
+    at = {m: cfg.for_head_dim(D, m) if hasattr(cfg, "for_head_dim") else cfg for m in (False, True)}
+    grid = {m: (-(-NQ // at[m].block_r), -(-NK // cfg.bc(D))) for m in (False, True)}
     if mm is None:
-        assert int(rest[0]) == 1 and tiles.shape[1:] == grid
+        assert int(rest[0]) == 1 and tiles.shape[1:] == grid[True]
     else:
-        ref = classify_tiles_mod(mm, B, HQ, NQ, NK, cfg.block_r, cfg.bc(D), p.band, None)
+        ref = classify_tiles_mod(mm, B, HQ, NQ, NK, at[True].block_r, cfg.bc(D), p.band, None)
         assert (int(rest[0]), int(heads)) == ref.shape[:2]
         assert np.array_equal(np.asarray(tiles).reshape(ref.shape), ref)
     plain = forward_tiles(_problem(causal=True), cfg, D, None, None)
-    assert plain[2] == () and plain[0].shape[1:] == grid          # no modifiers: no MOD_PARAMS
+    assert plain[2] == () and plain[0].shape[1:] == grid[False]          # no modifiers: no MOD_PARAMS
 
 
 def test_mask_modifier_empties_tiles_at_the_hopper_tile():

@@ -132,7 +132,10 @@ def modifier_errors(p, config, direction) -> list[str]:
 def forward_tiles(p, config, D, mods, xp) -> tuple:
     """(tile table, tile_heads, MOD_PARAMS arguments) of the forward: without modifiers the usual table
     and nothing more; with them the table with the mask modifier's classes folded in (batch axis) and
-    modifier_args. xp None: host arrays (the argument-packing tests run without a GPU)."""
+    modifier_args. xp None: host arrays (the argument-packing tests run without a GPU). A config whose tile
+    depends on the head dim (fa3-ws consumers="auto") is resolved at D first."""
+    if hasattr(config, "for_head_dim"):
+        config = config.for_head_dim(D, mods is not None)
     if mods is None:
         table = tile_table(p, config.block_r, config.bc(D), xp) if xp is not None else \
             modifier_tiles(p, config.block_r, config.bc(D))[:2]

@@ -9,7 +9,8 @@ overlap of the softmax with the GEMMs; Algorithm 2).
   fa3      the same with the overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j in flight together, the
            softmax of S_{j+1} under the second; `pingpong`: the two consumer warpgroups also take turns
            issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1)
-Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers), ring
+Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers; "auto": 3 at
+d <= 64 without modifiers, else 2, WsConfig.for_head_dim), ring
 slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
 polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
 with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
@@ -28,6 +29,7 @@ Status and speed: bench/results/h100/.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
@@ -45,10 +47,13 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 
 # ---- config
 
+AUTO_CONSUMERS_D = 64      # consumers="auto": three consumer warpgroups (Br = 192) at this padded head dim
+
+
 @dataclass(frozen=True)
 class WsConfig:
     block_c: object = "auto"
-    consumers: int = 2
+    consumers: object = "auto"                           # 1, 2, 3 or "auto" (for_head_dim)
     stages: int = 2
     overlap: bool = True
     philox_rounds: int = 10
@@ -57,13 +62,28 @@ class WsConfig:
     bwd_kernel: str = "auto"                             # fa3_wgmma.BWD_KERNEL: auto, mma, wgmma, wgmma2
     exp2_fma: int = 0                                    # every k-th column block's exp2 on the FMA pipe (0: none)
 
+    def for_head_dim(self, D: int, mods: bool = False) -> "WsConfig":
+        """The config with consumers="auto" resolved for padded head dim D: 3 at D = 64 (Br = 192: the fastest
+        spill-free d = 64 forward measured, 0.91-1.01x SDPA cuDNN non-causal on the H100,
+        bench/results/h100/2026-11-26-session-7-d64.md), except with ping-pong (two warpgroups) or `mods`
+        (score / mask modifiers compiled in: a soft-cap's text spills at 160 registers a thread); else 2."""
+        if self.consumers != "auto":
+            return self
+        three = D == AUTO_CONSUMERS_D and not self.pingpong and not mods
+        return dataclasses.replace(self, consumers=3 if three else 2)
+
+    def _n(self) -> int:
+        if self.consumers == "auto":
+            raise ValueError("consumers='auto' depends on the head dim: resolve it with for_head_dim(D) first")
+        return self.consumers
+
     @property
     def block_r(self) -> int:
-        return 64 * self.consumers
+        return 64 * self._n()
 
     @property
     def threads(self) -> int:
-        return 128 * (self.consumers + 1)
+        return 128 * (self._n() + 1)
 
     def bc(self, D: int, dropout: bool = False) -> int:
         return AUTO_BC[D] if self.block_c == "auto" else self.block_c
@@ -72,36 +92,39 @@ class WsConfig:
     def register_cap(self) -> int:
         """A consumer thread's registers: setmaxnreg's claim (240 with two consumers, 160 with three), or
         with one consumer the 255 that two warpgroups of one block per SM allow."""
-        return {1: 255, 2: 240, 3: 160}[self.consumers]
+        return {1: 255, 2: 240, 3: 160}[self._n()]
 
-    def forward_name(self, dtype: str, D: int, dropout: bool) -> str:
-        return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {self.bc(D)}, {self.consumers}, {self.stages}, "
+    def forward_name(self, dtype: str, D: int, dropout: bool, mods: bool = False) -> str:
+        c = self.for_head_dim(D, mods)
+        return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {c.bc(D)}, {c.consumers}, {c.stages}, "
                 f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, {self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
-    def forward_smem(self, D: int, dropout: bool = False) -> int:
+    def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
         """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
-        return ITEMSIZE * D * (self.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
+        c = self.for_head_dim(D, mods)
+        return ITEMSIZE * D * (c.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
 
     def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
         the one switch it names."""
         drops = (False, True) if mods is None else (mods.dropout,)
-        names = tuple(self.forward_name(dtype, D, drop) for drop in drops)
+        names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
-                           {n: self.forward_smem(D) for n in names},
+                           {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{mods.label if mods else ''}]",
                            archs=ARCHS)
 
-    def envelope_errors(self, D: int) -> list[str]:
-        smem = self.forward_smem(D)
+    def envelope_errors(self, D: int, mods: bool = False) -> list[str]:
+        c = self.for_head_dim(D, mods)
+        smem = c.forward_smem(D)
         errs = [f"shared memory {smem} B exceeds {SMEM_LIMIT} B"] if smem > SMEM_LIMIT else []
-        errs += register_errors(D, self.bc(D), self.register_cap, f"a consumer thread with consumers={self.consumers}")
-        if self.pingpong and (self.consumers != 2 or not self.overlap):
+        errs += register_errors(D, c.bc(D), c.register_cap, f"a consumer thread with consumers={c.consumers}")
+        if c.pingpong and (c.consumers != 2 or not c.overlap):
             errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
-                        f"(consumers=2, variant fa3); got consumers={self.consumers}")
+                        f"(consumers=2, variant fa3); got consumers={c.consumers}")
         return errs
 
 
@@ -112,15 +135,16 @@ class FA3WarpSpecialized(FA3Wgmma):
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
 
     # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, consumers,
-    # stages), "auto" being Bc = 128 at D <= 128; stages=3 compiled clean too at D <= 128 but is left to compile
-    # on first use (the CI gate's time budget)
-    TUNED = {("auto", 2, 2)}
+    # stages), "auto" being Bc = 128 at D <= 128 and, for consumers, 3 at D = 64 without modifiers, else 2
+    # (WsConfig.for_head_dim); stages=3 compiled clean too at D <= 128 but is left to compile on first use (the
+    # CI gate's time budget)
+    TUNED = {("auto", "auto", 2), ("auto", 2, 2)}
 
     def __init__(self, name: str, overlap: bool):
         super().__init__()
         self.name, self.overlap = name, overlap
 
-    def configure(self, block_c="auto", consumers=2, stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
+    def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
                   exp2_fma=0):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma)
@@ -134,6 +158,17 @@ class FA3WarpSpecialized(FA3Wgmma):
         if unit is not None and unit.source != "fa3_ws.cu":
             return super().tuned(config, unit)
         return (config.block_c, config.consumers, config.stages) in self.TUNED
+
+    # consumers="auto" resolved per problem (WsConfig.for_head_dim) where a forward enters
+
+    def _resolved(self, p, config):
+        return config.for_head_dim(d_pad(p.d), has_mods(p))
+
+    def check(self, problem, config, direction):
+        super().check(problem, self._resolved(problem, config), direction)
+
+    def forward(self, p, q, k, v, config):
+        return super().forward(p, q, k, v, self._resolved(p, config))
 
     def _arguments(self, p, config, maps, out, lse, xp, mods=None):
         """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately."""
@@ -169,6 +204,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         import cupy as xp
         if p.scale < 0 or has_mods(p):
             return None
+        config = self._resolved(p, config)
         shapes = {"q": (p.B, p.Hq, p.Nq, p.d), "k": (p.B, p.Hkv, p.Nk, p.d), "v": (p.B, p.Hkv, p.Nk, p.d)}
         if any(tma.usable_strides(shapes[nm], strides[nm]) is None for nm in shapes):
             return None
@@ -195,8 +231,9 @@ class FA3WarpSpecialized(FA3Wgmma):
 PARAMS = (
     Param("block_c", ("auto", 64, 80, 112, 128), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's wgmma); auto: "
           "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
-    Param("consumers", (1, 2, 3), 2, "consumer warpgroups, 64 query rows each (Br = 64 x consumers); one more "
-          "warpgroup produces"),
+    Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
+          "one more warpgroup produces; auto: 3 at d <= 64 without modifiers or ping-pong, else 2 "
+          "(WsConfig.for_head_dim)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
@@ -211,9 +248,9 @@ register(Variant(
     impl=FA3WarpSpecialized("fa3-ws", overlap=False), params=PARAMS, caps=CAPS,
     seed_ref="FA3 paper Sec. 3.1, Algorithm 1",
     tags=("tc-ladder",),
-    # consumers=3: the fastest spill-free d = 64 forward measured (Br = 192; 0.90-1.00x cuDNN non-causal on the
-    # H100, bench/results/h100/2026-11-26-session-7.md); at D = 128 it spills (not tuned)
-    bench_configs=({"stages": 3}, {"consumers": 3})))
+    # consumers=2: the former default at d = 64, beside "auto" (3 there; 0.90-1.00x cuDNN non-causal on the H100,
+    # bench/results/h100/2026-11-26-session-7-d64.md)
+    bench_configs=({"stages": 3}, {"consumers": 2})))
 
 register(Variant(
     name="fa3", family="fa3", backend="cuda",
@@ -224,6 +261,6 @@ register(Variant(
                            "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
-    bench_configs=({"pingpong": True}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
+    bench_configs=({"pingpong": True}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
                    {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
