@@ -263,6 +263,14 @@ def cmd_fuzz(args):
                 except AssertionError as e:
                     failures += 1
                     print(f"\n  FAILED {name} {dtype} {direction}: {e}", file=sys.stderr)
+                except KeyboardInterrupt:
+                    # Ctrl-C or a time limit's SIGINT: what ran so far is still a result (the example in flight
+                    # is not counted)
+                    print(f"\n  interrupted: {name} {dtype} {direction} after {max(seen[0] - 1, 0)} examples",
+                          file=sys.stderr)
+                    print(f"examples checked: {sum(fuzz.EXAMPLES.values())}, failing configurations: {failures} "
+                          f"(interrupted)")
+                    raise SystemExit(130)
     print(f"examples checked: {sum(fuzz.EXAMPLES.values())}, failing configurations: {failures}")
     if failures:
         raise SystemExit(1)

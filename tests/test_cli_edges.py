@@ -98,3 +98,30 @@ def test_bench_reps_must_be_positive(tmp_path):
 
 def test_unwritable_json_path_is_one_line_error(tmp_path):
     assert "cannot write --json" in one_error_line(cli("list", "--json", str(tmp_path / "no" / "v.json")))
+
+
+def test_an_interrupted_fuzz_reports_what_it_checked(monkeypatch, capsys):
+    """Ctrl-C (or a time limit's SIGINT) in a long fuzz: the examples checked so far and the failures so far,
+    exit status 130, no traceback (a GPU session's fuzz step ends this way at its limit)."""
+    import argparse
+
+    from sandbox import cli as sandbox_cli
+    from sandbox import fuzz
+    calls = []
+
+    def checked_then_interrupted(bound, case, direction):
+        calls.append(case)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        fuzz.EXAMPLES[f"{bound.name}/{case.dtype}/{direction}"] += 1
+
+    monkeypatch.setattr(fuzz, "assert_case", checked_then_interrupted)
+    monkeypatch.setattr(fuzz, "EXAMPLES", fuzz.Counter())
+    args = argparse.Namespace(variants="numba-rowwise", examples=50, dtype="float32", direction="forward",
+                              derandomize=True)
+    with pytest.raises(SystemExit) as e:
+        sandbox_cli.cmd_fuzz(args)
+    out, err = capsys.readouterr()
+    assert e.value.code == 130 and len(calls) == 3
+    assert "examples checked: 2, failing configurations: 0 (interrupted)" in out
+    assert "interrupted: numba-rowwise float32 forward after 2 examples" in err
