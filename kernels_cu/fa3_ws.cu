@@ -8,7 +8,7 @@
 // Algorithm 1, Sec. 3.1); operand placement and swizzle are fa3_wgmma.cu's (hopper.cuh).
 //
 // Kernel
-//   fa3_ws_forward<T, D, BC, NC, STAGES, OVERLAP, PINGPONG, R, DROPOUT>   grid (ceil(Nq / (64 NC)), B*Hq),
+//   fa3_ws_forward<T, D, BC, NC, STAGES, OVERLAP, PINGPONG, PERSIST, R, DROPOUT>   grid (ceil(Nq / (64 NC)), B*Hq),
 //       128 (NC + 1) threads. Warpgroup 0 is the producer: after giving registers back (setmaxnreg),
 //       one thread issues every TMA copy: the block's Q tile once, then K_j and V_j into a ring of
 //       STAGES slots, each slot guarded by a "full" mbarrier (TMA completes the bytes it announced)
@@ -22,6 +22,14 @@
 //       tile's GEMMs are waited for before its softmax (the rung below).
 //       PINGPONG (FA3 Sec. 3.1, with NC = 2 and OVERLAP): the two consumer warpgroups take turns issuing
 //       their GEMMs through two named barriers, so one's softmax runs under the other's GEMMs.
+//       PERSIST (FA3 Sec. 3.1's persistent kernel; issue 17 step 5): grid (min(items, SMs), 1), each block
+//       walking items blockIdx.x, + gridDim.x, ... of the nTr * B * Hq (Q tile, batch, head) items, last Q
+//       tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
+//       GEMMs are done) and the K / V ring runs on across items, so the producer loads the next item's Q and
+//       first K / V while this one's last GEMMs and epilogue run: a non-persistent block starts with the
+//       copies' whole latency exposed and 1 block fits an SM. D <= 128 (two Q buffers fit), no ping-pong.
+//       Predicted (H100, fp16): +5-10% forward at N = 2k non-causal (~16 K / V tiles per item: a ~2 us start of
+//       ~25 us), +8-15% causal at N = 2k (half the tiles per item on average), within 2% at N = 16k.
 //   Tensor maps (variants/fa3_ws.py): 4-D (d, N, H, B) with the caller's strides, box 64 x rows, the
 //   128-byte swizzle: each box lands as one [rows][64] panel of hopper.cuh's layout. Rows past N and
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
@@ -51,7 +59,7 @@ struct TileWalk {
 
 // ---- kernels
 
-template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, bool PINGPONG, int R, bool DROPOUT>
+template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, bool PINGPONG, bool PERSIST, int R, bool DROPOUT>
 __global__ void __launch_bounds__((NC + 1) * 128, 1)
 fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (64, 64)
                const __grid_constant__ TmaDesc map_k,   // (d, Nk, Hkv, B), box (64, BC)
@@ -59,7 +67,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                T* __restrict__ O,                        // [B, Hq, Nq, d] contiguous
                float* __restrict__ LSE,                  // [B, Hq, Nq]
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
-               int tile_heads, int Hq, int group, int Nq, int Nk, int d,
+               int tile_heads, int Hq, int group, int Nq, int Nk, int d, int BH,   // BH = B * Hq
                float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
@@ -69,28 +77,43 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     static_assert(BC == 64 || BC == 80 || BC == 112 || BC == 128, "wgmma n = Bc");
     static_assert(NC >= 1 && NC <= 3 && (STAGES == 2 || STAGES == 3), "consumers, ring slots");
     static_assert(!PINGPONG || (NC == 2 && OVERLAP), "ping-pong: two consumer warpgroups, overlapped loop");
+    static_assert(!PERSIST || (!PINGPONG && D <= 128), "persistent: no ping-pong, two Q buffers (D <= 128)");
+    constexpr int QBUFS = PERSIST ? 2 : 1;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;     // panels on 1024-byte boundaries
-    const unsigned sK = sQ + Q_BYTES, sV = sK + STAGES * KV_BYTES;   // ring slot s at + s * KV_BYTES
+    const unsigned sK = sQ + QBUFS * Q_BYTES, sV = sK + STAGES * KV_BYTES;   // ring slot s at + s * KV_BYTES
     const unsigned bar = sV + STAGES * KV_BYTES;                     // mbarriers, 8 bytes each:
-    const unsigned q_full = bar, k_full = bar + 8, v_full = k_full + 8 * STAGES,
-                   k_empty = v_full + 8 * STAGES, v_empty = k_empty + 8 * STAGES;
+    const unsigned q_full = bar, q_empty = bar + 16, k_full = bar + 32, v_full = k_full + 8 * STAGES,
+                   k_empty = v_full + 8 * STAGES, v_empty = k_empty + 8 * STAGES;   // q_*: one per Q buffer
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
-    const int tr = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y,    // last Q tiles first (causal's long rows)
-              b = bh / Hq, h = bh % Hq, hk = h / group;
-    const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC;
-    TileWalk walk;
+    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
+    // The work items: a Q tile of one (batch, head) each. Non-persistent, the block's own (grid (nTr, B*Hq));
+    // PERSIST, items blockIdx.x, + gridDim.x, ... of nTr * BH (grid: at most one block per SM), both with the
+    // last Q tiles first (causal's long rows: the heaviest items start first). Every role walks the same items.
+    const int n_items = PERSIST ? nTr * BH : 1;
+    struct Item { int tr, bh, b, h, hk, row0; TileWalk walk; };
+    auto item_of = [&](int w) {
+        Item x;
+        x.tr = PERSIST ? nTr - 1 - w / BH : gridDim.x - 1 - blockIdx.x;
+        x.bh = PERSIST ? w % BH : blockIdx.y;
+        x.b = x.bh / Hq, x.h = x.bh % Hq, x.hk = x.h / group, x.row0 = x.tr * BR;
 #ifdef FA_MODS
-    walk.cls = tiles + (mod_tile_index(mod_tile_b, tile_heads, b, h) * gridDim.x + tr) * nTc;
+        x.walk.cls = tiles + (mod_tile_index(mod_tile_b, tile_heads, x.b, x.h) * nTr + x.tr) * nTc;
 #else
-    walk.cls = tiles + ((long long)(tile_heads == 1 ? 0 : h) * gridDim.x + tr) * nTc;
+        x.walk.cls = tiles + ((long long)(tile_heads == 1 ? 0 : x.h) * nTr + x.tr) * nTc;
 #endif
-    band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, walk.first, walk.last);
-    walk.first = next_live_tile(walk.cls, walk.first, walk.last);
+        band_tiles(x.row0, min(x.row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, x.walk.first, x.walk.last);
+        x.walk.first = next_live_tile(x.walk.cls, x.walk.first, x.walk.last);
+        return x;
+    };
+    const int w0 = PERSIST ? blockIdx.x : 0, w_step = PERSIST ? gridDim.x : 1;
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
+        for (int q = 0; q < 2; ++q) {
+            mbar_init(q_full + 8 * q, 1);
+            mbar_init(q_empty + 8 * q, NC * 4);         // one arrival per consumer warp
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full + 8 * s, 1);
             mbar_init(v_full + 8 * s, 1);
@@ -106,13 +129,21 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         if constexpr (NC == 2) regs_release<24>();
         if constexpr (NC == 3) regs_release<32>();
         if (threadIdx.x == 0) {
-            mbar_expect_tx(q_full, Q_BYTES);
+            int it = 0;                               // ring position: counts K / V tiles across the items
+            for (int w = w0, u = 0; w < n_items; w += w_step, ++u) {
+            const Item x = item_of(w);
+            const int b = x.b, h = x.h, hk = x.hk;
+            const TileWalk walk = x.walk;
+            // Q buffer qb, its (u / QBUFS)-th use: wait for the consumers' release of the use before
+            const unsigned qb = u % QBUFS, q_use = u / QBUFS;
+            if (PERSIST && q_use > 0) mbar_wait(q_empty + 8 * qb, (q_use - 1) & 1);
+            mbar_expect_tx(q_full + 8 * qb, Q_BYTES);
 #pragma unroll
             for (int p = 0; p < D / 64; ++p)
 #pragma unroll
                 for (int c = 0; c < NC; ++c)
-                    tma_load_4d(sQ + p * PANEL_Q + c * 64 * 128, map_q, q_full, p * 64, row0 + c * 64, h, b);
-            int it = 0;
+                    tma_load_4d(sQ + qb * Q_BYTES + p * PANEL_Q + c * 64 * 128, map_q, q_full + 8 * qb, p * 64,
+                                x.row0 + c * 64, h, b);
             for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
                 const int s = it % STAGES;
                 const unsigned parity = (it / STAGES) & 1;
@@ -127,6 +158,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 for (int p = 0; p < D / 64; ++p)
                     tma_load_4d(sV + s * KV_BYTES + p * PANEL_KV, map_v, v_full + 8 * s, p * 64, t * BC, hk, b);
             }
+            }
         }
     } else {
         // ---- consumers: 64 rows per warpgroup
@@ -136,7 +168,13 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const Dropout drop = DROPOUT_FROM_PARAMS;
         const int g = lane / 4, tq = lane % 4, c = wg - 1;
         const int wrow = (warp - 4) * 16;             // the warp's first row in the tile
-        const unsigned q_rows = sQ + c * 64 * 128;
+        int it = 0;                                   // ring position, as the producer's
+        for (int w = w0, u = 0; w < n_items; w += w_step, ++u) {
+        const Item x = item_of(w);
+        const int bh = x.bh, b = x.b, h = x.h, row0 = x.row0;
+        const TileWalk walk = x.walk;
+        const unsigned qb = u % QBUFS, q_use = u / QBUFS;
+        const unsigned q_rows = sQ + qb * Q_BYTES + c * 64 * 128;
         float o[1][ND][4], m[1][2], l[1][2];
         zero_state(o, m, l);
 #ifdef FA_DIST_BIAS
@@ -167,8 +205,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         };
 
-        mbar_wait(q_full, 0);
-        int it = 0;
+        mbar_wait(q_full + 8 * qb, q_use & 1);
         if constexpr (!OVERLAP) {
             for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
                 const int s = it % STAGES;
@@ -204,20 +241,20 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             if (PINGPONG && c == 1) named_arrive(1, 256);
             // prologue: S_0, its softmax; P_0 waits in registers for V_0
             unsigned pa[BC / 16][4];
-            int t = walk.first, s = 0;
-            unsigned parity = 0;
+            int t = walk.first, s = it % STAGES;
+            unsigned parity = (it / STAGES) & 1;
             {
                 float sc[1][NT][4], corr[1][2];
                 seed(sc, t);
-                mbar_wait(k_full, 0);
+                mbar_wait(k_full + 8 * s, parity);
                 my_turn();
                 wgmma_fence();
-                wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK);
+                wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK + s * KV_BYTES);
                 wgmma_commit();
                 your_turn();
                 wgmma_wait<0>();
                 fence_accumulators(sc[0]);
-                if (lane == 0) mbar_arrive(k_empty);
+                if (lane == 0) mbar_arrive(k_empty + 8 * s);
                 scores_to_p(sc, t, corr);              // O is still zero: no rescale
                 p_operands<T>(pa, sc);
             }
@@ -257,10 +294,15 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             wgmma_wait<0>();
             fence_accumulators(o[0]);
             if (lane == 0) mbar_arrive(v_empty + 8 * s);
+            ++it;                                     // past the item's last tile
         }
+        // every S GEMM of the item is done: its Q buffer goes back to the producer (PERSIST: the next item but
+        // one loads there, while this epilogue and the next item run)
+        if (PERSIST && lane == 0) mbar_arrive(q_empty + 8 * qb);
 #ifdef FA_MODS
         fold_sinks(o, m, l, mod_sink, h, tq);        // attention sinks join the denominator (FA_SINKS only)
 #endif
         write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
+        }
     }
 }

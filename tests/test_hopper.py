@@ -127,7 +127,7 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
         assert cfg.for_head_dim(64).block_r == 192 and cfg.for_head_dim(64).threads == 512
         assert ", 64, 128, 3, 2," in cfg.forward_name("float16", 64, False)
         assert ", 64, 128, 2, 2," in cfg.forward_name("float16", 64, False, mods=True)
-        assert cfg.forward_smem(64) == 2 * 64 * (192 + 2 * 2 * 128) + 8 * 9 + 1024
+        assert cfg.forward_smem(64) == 2 * 64 * (192 + 2 * 2 * 128) + 8 * 12 + 1024
         assert sandbox.get_variant(name, consumers=2).config.for_head_dim(64).consumers == 2
         with pytest.raises(ValueError, match="for_head_dim"):
             cfg.block_r
@@ -137,13 +137,32 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64).consumers == 2
 
 
+def test_persistent_grid_and_shared_memory():
+    """persistent=True: at most one block per SM walking every (Q tile, batch, head) item, two Q buffers (D <= 128),
+    refused with ping-pong or past D = 128 before any launch; the template switch is in the kernel's name."""
+    from variants.fa3_ws import FA3WarpSpecialized
+    p = dataclasses.replace(_problem(64), B=2, Hq=4, Nq=1000)
+    for name in ("fa3", "fa3-ws"):
+        cfg = sandbox.get_variant(name, persistent=True).config.for_head_dim(64)
+        plain = sandbox.get_variant(name).config.for_head_dim(64)
+        assert FA3WarpSpecialized.grid(p, plain) == (6, 8)               # ceil(1000 / 192), B Hq
+        items = 6 * 8
+        assert FA3WarpSpecialized.grid(p, cfg) in ((items, 1), (min(items, sandbox.device.sm_count() or items), 1))
+        assert cfg.forward_smem(64) - plain.forward_smem(64) == 2 * 64 * 192
+        assert ", true, false, true, 10, false>" in cfg.forward_name("float16", 64, False) or name == "fa3-ws"
+        assert cfg.envelope_errors(64) == [] and cfg.envelope_errors(128) == []
+        assert any("persistent" in e for e in cfg.envelope_errors(256))
+    with pytest.raises(ValueError, match="persistent"):
+        sandbox.get_variant("fa3", persistent=True, pingpong=True).check(_problem(64), "forward")
+
+
 def test_wide_default_tiles_fit_shared_memory():
     """D = 256: Q 64 KB beside two ring slots of K and V (4 x 40 KB) for the TMA rungs; fa3-wgmma's single
     K and V tiles. All under the 227 KB per block."""
     from variants.fa3_wgmma import SMEM_LIMIT
     ws = sandbox.get_variant("fa3").config
-    assert ws.forward_smem(256) == 2 * 256 * (128 + 2 * 2 * 80) + 8 * 9 + 1024 <= SMEM_LIMIT
-    assert ws.forward_smem(192) == 2 * 192 * (128 + 2 * 2 * 112) + 8 * 9 + 1024 <= SMEM_LIMIT
+    assert ws.forward_smem(256) == 2 * 256 * (128 + 2 * 2 * 80) + 8 * 12 + 1024 <= SMEM_LIMIT
+    assert ws.forward_smem(192) == 2 * 192 * (128 + 2 * 2 * 112) + 8 * 12 + 1024 <= SMEM_LIMIT
     assert sandbox.get_variant("fa3-wgmma").config.forward_smem(256) == 2 * 256 * (128 + 2 * 80) + 1024
     for name in WIDE_RUNGS:
         for d in (96, 136, 192, 200, 256):
@@ -195,7 +214,7 @@ def test_wide_units_are_compiled_by_the_gate():
         for ct in ("__half", "__nv_bfloat16"):
             for D, bc in ((192, 112), (256, 80)):
                 assert any(n.startswith(f"{source}<{ct}, {D}, {bc}, 2,") for n in got[name]), (name, ct, D)
-    assert any(", true, true, 10," in n and ", 256, 80," in n for n in got["fa3"])     # ping-pong at D = 256
+    assert any(", true, true, false, 10," in n and ", 256, 80," in n for n in got["fa3"])     # ping-pong at D = 256
 
 
 def test_bench_grid_times_the_hopper_rungs_at_d_256():
@@ -290,3 +309,30 @@ def test_wgmma_backward_past_128_is_refused_on_the_gpu():
     res = sandbox.forward(q, q, q, variant="fa3", bwd_kernel="wgmma2")
     with pytest.raises(ValueError, match="backward at head dim 256"):
         sandbox.backward(q, res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa3", "fa3-ws"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_persistent_blocks_walk_every_item(monkeypatch, name, dtype):
+    """persistent=True with the grid capped at three blocks, so that each walks many (Q tile, batch, head) items
+    and reuses both Q buffers and the K / V ring across items: causal GQA with dead rows, dropout, a window,
+    block-sparse, a negative scale, a score and a mask modifier, d = 64 (three consumers) and 128 (two)."""
+    import variants.fa3_ws as ws
+    from sandbox import fuzz, modifiers
+    from sandbox.masks import BlockSparse
+    monkeypatch.setattr(ws, "sm_count", lambda: 3)
+    bound = sandbox.get_variant(name, persistent=True)
+    cases = [fuzz.Case(2, 4, 2, 200, 161, 64, dtype, {"causal": True}, 1),
+             fuzz.Case(1, 4, 1, 257, 300, 64, dtype, {"causal": True, "dropout_p": 0.3, "seed": 5}, 2),
+             fuzz.Case(1, 2, 2, 150, 240, 128, dtype, {"window": (40, 7)}, 3),
+             fuzz.Case(1, 2, 1, 97, 241, 64, dtype, {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 4),
+             fuzz.Case(2, 2, 2, 64, 90, 128, dtype, {"scale": -0.3, "causal": True}, 5),
+             fuzz.Case(1, 4, 2, 700, 300, 128, dtype, {"causal": True}, 6),
+             fuzz.Case(1, 4, 2, 120, 260, 64, dtype, {"score_mod": modifiers.softcap(5.0), "causal": True}, 7),
+             fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"mask_mod": modifiers.document(np.arange(300) // 100)}, 8)]
+    for case in cases:
+        p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
+        cfg = bound.variant.impl._resolved(p, bound.config)
+        assert ws.FA3WarpSpecialized.grid(p, cfg)[0] <= 3
+        fuzz.assert_case(bound, case, "forward")

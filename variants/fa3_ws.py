@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
-from sandbox.device import SMEM_PER_BLOCK_OPTIN
+from sandbox.device import SMEM_PER_BLOCK_OPTIN, sm_count
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.registry import Param, Variant, philox_rounds_param, register
@@ -61,6 +61,7 @@ class WsConfig:
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
     bwd_kernel: str = "auto"                             # fa3_wgmma.BWD_KERNEL: auto, mma, wgmma, wgmma2
     exp2_fma: int = 0                                    # every k-th column block's exp2 on the FMA pipe (0: none)
+    persistent: bool = False                             # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu)
 
     def for_head_dim(self, D: int, mods: bool = False) -> "WsConfig":
         """The config with consumers="auto" resolved for padded head dim D: 3 at D = 64 (Br = 192: the fastest
@@ -97,13 +98,16 @@ class WsConfig:
     def forward_name(self, dtype: str, D: int, dropout: bool, mods: bool = False) -> str:
         c = self.for_head_dim(D, mods)
         return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {c.bc(D)}, {c.consumers}, {c.stages}, "
-                f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, {self.philox_rounds}, "
+                f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, "
+                f"{'true' if self.persistent else 'false'}, {self.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
-        """Q, the STAGES K and V slots, the mbarriers, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
+        """Q (two buffers when persistent), the STAGES K and V slots, the mbarriers (Q full / empty per buffer,
+        four per slot), 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
         c = self.for_head_dim(D, mods)
-        return ITEMSIZE * D * (c.block_r + 2 * self.stages * self.bc(D)) + 8 * (1 + 4 * self.stages) + 1024
+        qbufs = 2 if self.persistent else 1
+        return ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 1024
 
     def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
@@ -125,6 +129,9 @@ class WsConfig:
         if c.pingpong and (c.consumers != 2 or not c.overlap):
             errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
                         f"(consumers=2, variant fa3); got consumers={c.consumers}")
+        if c.persistent and (c.pingpong or D > 128):
+            errs.append(f"persistent=True double-buffers Q (D <= 128) and walks its tiles without ping-pong; got "
+                        f"D = {D}{', pingpong=True' if c.pingpong else ''}")
         return errs
 
 
@@ -145,9 +152,9 @@ class FA3WarpSpecialized(FA3Wgmma):
         self.name, self.overlap = name, overlap
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
-                  exp2_fma=0):
+                  exp2_fma=0, persistent=False):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
-                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma)
+                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -168,14 +175,25 @@ class FA3WarpSpecialized(FA3Wgmma):
         super().check(problem, self._resolved(problem, config), direction)
 
     def forward(self, p, q, k, v, config):
-        return super().forward(p, q, k, v, self._resolved(p, config))
+        """Both with and without modifiers: `launch` takes either (fa2-tc's forward would pick the grid)."""
+        config = self._resolved(p, config)
+        return self.launch(p, q, k, v, config, self.grid(p, config))
+
+    @staticmethod
+    def grid(p, config) -> tuple[int, int]:
+        """(ceil(Nq / Br), B * Hq) blocks, one per Q tile; persistent: as many blocks as Q tiles, at most one
+        per SM (the GPU's count; uncapped without a GPU), each walking every gridDim.x-th tile."""
+        tiles = -(-p.Nq // config.block_r)
+        if not config.persistent:
+            return tiles, p.B * p.Hq
+        return min(tiles * p.B * p.Hq, sm_count() or tiles * p.B * p.Hq), 1
 
     def _arguments(self, p, config, maps, out, lse, xp, mods=None):
         """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately."""
         D, dropout = d_pad(p.d), p.dropout_p > 0
         tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp)
         return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
-                       f32(forward_scale_log2(p)), *mask_args(p, xp)), D, dropout, mod_rest
+                       i32(p.B * p.Hq), f32(forward_scale_log2(p)), *mask_args(p, xp)), D, dropout, mod_rest
 
     def launch(self, p, q, k, v, config, grid, scratch=()):
         import cupy as xp
@@ -212,7 +230,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
         tiles, args, D, dropout, _ = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
-        kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
+        kernel = PackedLaunch(get_kernel(unit, name).kernel, self.grid(p, config),
                               (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p)))
 
         def run(ptr, seed, offset, stream):
@@ -236,6 +254,9 @@ PARAMS = (
           "(WsConfig.for_head_dim)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
+    Param("persistent", (False, True), False, "one block per SM walking the Q tiles (last tiles first) with two Q "
+          "buffers: the next tile's Q and K / V load under this one's last GEMMs and epilogue (FA3 Sec. 3.1's "
+          "persistent kernel; d <= 128, no ping-pong)"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
@@ -250,7 +271,7 @@ register(Variant(
     tags=("tc-ladder",),
     # consumers=2: the former default at d = 64, beside "auto" (3 there; 0.90-1.00x cuDNN non-causal on the H100,
     # bench/results/h100/2026-11-26-session-7-d64.md)
-    bench_configs=({"stages": 3}, {"consumers": 2})))
+    bench_configs=({"stages": 3}, {"consumers": 2}, {"persistent": True})))
 
 register(Variant(
     name="fa3", family="fa3", backend="cuda",
@@ -261,6 +282,6 @@ register(Variant(
                            "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
-    bench_configs=({"pingpong": True}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
+    bench_configs=({"pingpong": True}, {"persistent": True}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
                    {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
