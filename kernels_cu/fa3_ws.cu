@@ -22,8 +22,8 @@
 //       tile's GEMMs are waited for before its softmax (the rung below).
 //       PINGPONG (FA3 Sec. 3.1, with NC = 2 and OVERLAP): the two consumer warpgroups take turns issuing
 //       their GEMMs through two named barriers, so one's softmax runs under the other's GEMMs.
-//       PERSIST (FA3 Sec. 3.1's persistent kernel; issue 17 step 5): grid (min(items, SMs), 1), each block
-//       walking items blockIdx.x, + gridDim.x, ... of the nTr * B * Hq (Q tile, batch, head) items, head by
+//       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
+//       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
 //       GEMMs are done) and the K / V ring runs on across items, so the producer loads the next item's Q and
 //       first K / V while this one's last GEMMs and epilogue run: a non-persistent block starts with the
@@ -57,6 +57,16 @@ struct TileWalk {
     __device__ __forceinline__ int next(int t) const { return next_live_tile(cls, t + 1, last); }
 };
 
+// 32-bit shared-memory store / load by address (the item slots), ordered against the mbarrier operations
+__device__ __forceinline__ void st_shared_s32(unsigned addr, int v) {
+    asm volatile("st.shared.s32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_shared_s32(unsigned addr) {
+    int v;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
 // ---- kernels
 
 template <typename T, int D, int BC, int NC, int STAGES, bool OVERLAP, bool PINGPONG, bool PERSIST, int R, bool DROPOUT>
@@ -66,6 +76,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                const __grid_constant__ TmaDesc map_v,   // (d, Nk, Hkv, B), box (64, BC)
                T* __restrict__ O,                        // [B, Hq, Nq, d] contiguous
                float* __restrict__ LSE,                  // [B, Hq, Nq]
+               int* __restrict__ sched,                  // PERSIST: the item counter, zero at launch; else unread
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d, int BH,   // BH = B * Hq
                float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
@@ -85,14 +96,19 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     const unsigned bar = sV + STAGES * KV_BYTES;                     // mbarriers, 8 bytes each:
     const unsigned q_full = bar, q_empty = bar + 16, k_full = bar + 32, v_full = k_full + 8 * STAGES,
                    k_empty = v_full + 8 * STAGES, v_empty = k_empty + 8 * STAGES;   // q_*: one per Q buffer
+    const unsigned item_slot = v_empty + 8 * STAGES;                // PERSIST: [2] ints, the item of Q buffer qb
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
     // The work items: a Q tile of one (batch, head) each. Non-persistent, the block's own (grid (nTr, B*Hq));
-    // PERSIST, items blockIdx.x, + gridDim.x, ... of nTr * BH (grid: at most one block per SM), numbered head by
-    // head as the non-persistent grid's blocks are, so that the blocks running at once share few heads' K / V in
-    // L2 (numbered tile-major instead, 132 blocks read 132 heads' K / V at once: d = 128, N = 2k ran 35% slower on
-    // the H100); both with a head's last Q tiles first (causal's long rows). Every role walks the same items.
+    // PERSIST, of nTr * BH (grid: at most one block per SM): block c starts with item c, then takes the next
+    // unclaimed one from the counter `sched` (the producer's atomicAdd, passed to the consumers through
+    // item_slot beside the Q buffer it loads; -1: none left). A static round robin (c, c + gridDim.x, ...)
+    // measured 30-40% slower causal at N = 2k-4k: with 11 Q tiles per head and 132 blocks, block c always drew
+    // the same Q tile index, heavy or light. Items are numbered head by head, as the non-persistent grid's
+    // blocks are, so that the blocks running at once share few heads' K / V in L2 (numbered tile-major, 132
+    // blocks read 132 heads' K / V at once: d = 128, N = 2k ran 35% slower on the H100); a head's last Q tiles
+    // (causal's long rows) first.
     const int n_items = PERSIST ? nTr * BH : 1;
     struct Item { int tr, bh, b, h, hk, row0; TileWalk walk; };
     auto item_of = [&](int w) {
@@ -109,7 +125,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         x.walk.first = next_live_tile(x.walk.cls, x.walk.first, x.walk.last);
         return x;
     };
-    const int w0 = PERSIST ? blockIdx.x : 0, w_step = PERSIST ? gridDim.x : 1;
+    auto next_item = [&]() { return atomicAdd(sched, 1) + (int)gridDim.x; };
 
     if (threadIdx.x == 0) {
         for (int q = 0; q < 2; ++q) {
@@ -132,13 +148,20 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         if constexpr (NC == 3) regs_release<32>();
         if (threadIdx.x == 0) {
             int it = 0;                               // ring position: counts K / V tiles across the items
-            for (int w = w0, u = 0; w < n_items; w += w_step, ++u) {
-            const Item x = item_of(w);
-            const int b = x.b, h = x.h, hk = x.hk;
-            const TileWalk walk = x.walk;
+            for (int w = PERSIST ? (int)blockIdx.x : 0, u = 0; ; w = next_item(), ++u) {
             // Q buffer qb, its (u / QBUFS)-th use: wait for the consumers' release of the use before
             const unsigned qb = u % QBUFS, q_use = u / QBUFS;
             if (PERSIST && q_use > 0) mbar_wait(q_empty + 8 * qb, (q_use - 1) & 1);
+            if (PERSIST) {
+                st_shared_s32(item_slot + 4 * qb, w < n_items ? w : -1);   // published by the arrival below
+                if (w >= n_items) {
+                    mbar_arrive(q_full + 8 * qb);     // no Q: the consumers read -1 and stop
+                    break;
+                }
+            }
+            const Item x = item_of(w);
+            const int b = x.b, h = x.h, hk = x.hk;
+            const TileWalk walk = x.walk;
             mbar_expect_tx(q_full + 8 * qb, Q_BYTES);
 #pragma unroll
             for (int p = 0; p < D / 64; ++p)
@@ -160,6 +183,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 for (int p = 0; p < D / 64; ++p)
                     tma_load_4d(sV + s * KV_BYTES + p * PANEL_KV, map_v, v_full + 8 * s, p * 64, t * BC, hk, b);
             }
+            if (!PERSIST) break;
             }
         }
     } else {
@@ -171,11 +195,14 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const int g = lane / 4, tq = lane % 4, c = wg - 1;
         const int wrow = (warp - 4) * 16;             // the warp's first row in the tile
         int it = 0;                                   // ring position, as the producer's
-        for (int w = w0, u = 0; w < n_items; w += w_step, ++u) {
+        for (int u = 0; ; ++u) {
+        const unsigned qb = u % QBUFS, q_use = u / QBUFS;
+        mbar_wait(q_full + 8 * qb, q_use & 1);        // this item's Q landed (PERSIST: or the end was posted)
+        const int w = PERSIST ? ld_shared_s32(item_slot + 4 * qb) : 0;
+        if (w < 0) break;
         const Item x = item_of(w);
         const int bh = x.bh, b = x.b, h = x.h, row0 = x.row0;
         const TileWalk walk = x.walk;
-        const unsigned qb = u % QBUFS, q_use = u / QBUFS;
         const unsigned q_rows = sQ + qb * Q_BYTES + c * 64 * 128;
         float o[1][ND][4], m[1][2], l[1][2];
         zero_state(o, m, l);
@@ -207,7 +234,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
         };
 
-        mbar_wait(q_full + 8 * qb, q_use & 1);
         if constexpr (!OVERLAP) {
             for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
                 const int s = it % STAGES;
@@ -305,6 +331,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         fold_sinks(o, m, l, mod_sink, h, tq);        // attention sinks join the denominator (FA_SINKS only)
 #endif
         write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
+        if (!PERSIST) break;
         }
     }
 }

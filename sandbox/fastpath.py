@@ -31,7 +31,7 @@ _TORCH_DTYPES = {}
 def _torch_dtype(name: str):
     if not _TORCH_DTYPES:
         torch = sys.modules["torch"]
-        _TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16)
+        _TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32)
     return _TORCH_DTYPES[name]
 
 

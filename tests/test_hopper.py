@@ -127,7 +127,7 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
         assert cfg.for_head_dim(64).block_r == 192 and cfg.for_head_dim(64).threads == 512
         assert ", 64, 128, 3, 2," in cfg.forward_name("float16", 64, False)
         assert ", 64, 128, 2, 2," in cfg.forward_name("float16", 64, False, mods=True)
-        assert cfg.forward_smem(64) == 2 * 64 * (192 + 2 * 2 * 128) + 8 * 12 + 1024
+        assert cfg.forward_smem(64) == 2 * 64 * (192 + 2 * 2 * 128) + 8 * 12 + 8 + 1024
         assert sandbox.get_variant(name, consumers=2).config.for_head_dim(64).consumers == 2
         with pytest.raises(ValueError, match="for_head_dim"):
             cfg.block_r
@@ -161,8 +161,8 @@ def test_wide_default_tiles_fit_shared_memory():
     K and V tiles. All under the 227 KB per block."""
     from variants.fa3_wgmma import SMEM_LIMIT
     ws = sandbox.get_variant("fa3").config
-    assert ws.forward_smem(256) == 2 * 256 * (128 + 2 * 2 * 80) + 8 * 12 + 1024 <= SMEM_LIMIT
-    assert ws.forward_smem(192) == 2 * 192 * (128 + 2 * 2 * 112) + 8 * 12 + 1024 <= SMEM_LIMIT
+    assert ws.forward_smem(256) == 2 * 256 * (128 + 2 * 2 * 80) + 8 * 12 + 8 + 1024 <= SMEM_LIMIT
+    assert ws.forward_smem(192) == 2 * 192 * (128 + 2 * 2 * 112) + 8 * 12 + 8 + 1024 <= SMEM_LIMIT
     assert sandbox.get_variant("fa3-wgmma").config.forward_smem(256) == 2 * 256 * (128 + 2 * 80) + 1024
     for name in WIDE_RUNGS:
         for d in (96, 136, 192, 200, 256):
@@ -336,3 +336,21 @@ def test_persistent_blocks_walk_every_item(monkeypatch, name, dtype):
         cfg = bound.variant.impl._resolved(p, bound.config)
         assert ws.FA3WarpSpecialized.grid(p, cfg)[0] <= 3
         fuzz.assert_case(bound, case, "forward")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
+    """sandbox.torch.attention with persistent=True (the plan path: the item counter is a buffer torch zeroes per
+    call) equals the default grid's output bit for bit on the same inputs, called twice (the counter starts at
+    zero each call), with the grid capped at five blocks."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    import variants.fa3_ws as ws
+    monkeypatch.setattr(ws, "sm_count", lambda: 5)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    ref = st.attention(q, k, v, variant="fa3", causal=causal)
+    for _ in range(2):
+        out = st.attention(q, k, v, variant="fa3", causal=causal, persistent=True)
+        assert torch.equal(out, ref)

@@ -104,10 +104,11 @@ class WsConfig:
 
     def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
         """Q (two buffers when persistent), the STAGES K and V slots, the mbarriers (Q full / empty per buffer,
-        four per slot), 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
+        four per slot), the two item slots, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
         c = self.for_head_dim(D, mods)
         qbufs = 2 if self.persistent else 1
-        return ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 1024
+        return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 8
+                + 1024)
 
     def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
@@ -188,11 +189,12 @@ class FA3WarpSpecialized(FA3Wgmma):
             return tiles, p.B * p.Hq
         return min(tiles * p.B * p.Hq, sm_count() or tiles * p.B * p.Hq), 1
 
-    def _arguments(self, p, config, maps, out, lse, xp, mods=None):
-        """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately."""
+    def _arguments(self, p, config, maps, out, lse, sched, xp, mods=None):
+        """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately. `sched`:
+        the persistent kernel's item counter (int32, zero at launch), else any device array (unread)."""
         D, dropout = d_pad(p.d), p.dropout_p > 0
         tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp)
-        return tiles, (*maps, out, lse, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
+        return tiles, (*maps, out, lse, sched, tiles, tile_heads, i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d),
                        i32(p.B * p.Hq), f32(forward_scale_log2(p)), *mask_args(p, xp)), D, dropout, mod_rest
 
     def launch(self, p, q, k, v, config, grid, scratch=()):
@@ -209,7 +211,8 @@ class FA3WarpSpecialized(FA3Wgmma):
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
-        tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, xp, mods)
+        sched = xp.zeros(1, dtype=xp.int32) if config.persistent else lse     # lse: a pointer the kernel never reads
+        tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, sched, xp, mods)
         unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
                               (*args, *dropout_args(p), *mod_rest))
@@ -228,7 +231,8 @@ class FA3WarpSpecialized(FA3Wgmma):
             return None
         rows = {"q": 64, "k": config.bc(d_pad(p.d)), "v": config.bc(d_pad(p.d))}
         maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
-        tiles, args, D, dropout, _ = self._arguments(p, config, maps, Slot("out"), Slot("lse"), xp)
+        sched = Slot("sched") if config.persistent else Slot("lse")
+        tiles, args, D, dropout, _ = self._arguments(p, config, maps, Slot("out"), Slot("lse"), sched, xp)
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, self.grid(p, config),
                               (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p)))
@@ -243,6 +247,8 @@ class FA3WarpSpecialized(FA3Wgmma):
             kernel(ptr, stream)
 
         buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
+        if config.persistent:
+            buffers["sched"] = ((1,), "int32", True)     # the item counter, zeroed by the caller per call
         return LaunchPlan(buffers, run, keep=(tiles,))
 
 
