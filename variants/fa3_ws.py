@@ -30,6 +30,7 @@ Status and speed: bench/results/h100/.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
@@ -48,6 +49,13 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 # ---- config
 
 AUTO_CONSUMERS_D = 64      # consumers="auto": three consumer warpgroups (Br = 192) at this padded head dim
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_consumers(config: "WsConfig", D: int, mods: bool) -> "WsConfig":
+    """WsConfig.for_head_dim's "auto", cached (a forward resolves it on every call: no dataclass copy per call)."""
+    three = D == AUTO_CONSUMERS_D and not config.pingpong and not mods
+    return dataclasses.replace(config, consumers=3 if three else 2)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,7 @@ class WsConfig:
         (score / mask modifiers compiled in: a soft-cap's text spills at 160 registers a thread); else 2."""
         if self.consumers != "auto":
             return self
-        three = D == AUTO_CONSUMERS_D and not self.pingpong and not mods
-        return dataclasses.replace(self, consumers=3 if three else 2)
+        return _resolve_consumers(self, D, mods)
 
     def _n(self) -> int:
         if self.consumers == "auto":
