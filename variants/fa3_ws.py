@@ -49,13 +49,19 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 # ---- config
 
 AUTO_CONSUMERS_D = 64      # consumers="auto": three consumer warpgroups (Br = 192) at this padded head dim
+AUTO_PERSISTENT_D = 128    # persistent="auto": the persistent grid at this padded head dim
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve_consumers(config: "WsConfig", D: int, mods: bool) -> "WsConfig":
-    """WsConfig.for_head_dim's "auto", cached (a forward resolves it on every call: no dataclass copy per call)."""
-    three = D == AUTO_CONSUMERS_D and not config.pingpong and not mods
-    return dataclasses.replace(config, consumers=3 if three else 2)
+def _resolve(config: "WsConfig", D: int, mods: bool) -> "WsConfig":
+    """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
+    plain = not config.pingpong and not mods
+    consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
+    c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent == True)   # noqa: E712
+    if config.persistent == "auto" and D == AUTO_PERSISTENT_D and plain:
+        on = dataclasses.replace(c, persistent=True)
+        c = on if on.forward_smem(D) <= SMEM_LIMIT else c        # two Q buffers beside stages=3 do not fit
+    return c
 
 
 @dataclass(frozen=True)
@@ -69,16 +75,18 @@ class WsConfig:
     bwd: TCConfig = field(default_factory=TCConfig)     # fa2-tc's backward config (its defaults; rowdot)
     bwd_kernel: str = "auto"                             # fa3_wgmma.BWD_KERNEL: auto, mma, wgmma, wgmma2
     exp2_fma: int = 0                                    # every k-th column block's exp2 on the FMA pipe (0: none)
-    persistent: bool = False                             # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu)
+    persistent: object = "auto"                          # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu);
+                                                         # False, True or "auto" (for_head_dim)
 
     def for_head_dim(self, D: int, mods: bool = False) -> "WsConfig":
-        """The config with consumers="auto" resolved for padded head dim D: 3 at D = 64 (Br = 192: the fastest
-        spill-free d = 64 forward measured, 0.91-1.01x SDPA cuDNN non-causal on the H100,
-        bench/results/h100/2026-11-26-session-7-d64.md), except with ping-pong (two warpgroups) or `mods`
-        (score / mask modifiers compiled in: a soft-cap's text spills at 160 registers a thread); else 2."""
-        if self.consumers != "auto":
+        """The config with its "auto"s resolved for padded head dim D, as measured on the H100
+        (bench/results/h100/2026-11-26-session-8.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x SDPA cuDNN
+        non-causal), else 2. persistent: on at D = 128 (0-8% faster there), off at D = 64 (3% slower at
+        N >= 8k). Both keep the old choice with ping-pong (two warpgroups, its own schedule) or `mods` (score /
+        mask modifiers compiled in: a soft-cap's text spills at 160 registers a thread)."""
+        if self.consumers != "auto" and self.persistent != "auto":
             return self
-        return _resolve_consumers(self, D, mods)
+        return _resolve(self, D, mods)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -106,14 +114,14 @@ class WsConfig:
         c = self.for_head_dim(D, mods)
         return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {c.bc(D)}, {c.consumers}, {c.stages}, "
                 f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, "
-                f"{'true' if self.persistent else 'false'}, {self.philox_rounds}, "
+                f"{'true' if c.persistent else 'false'}, {c.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
         """Q (two buffers when persistent), the STAGES K and V slots, the mbarriers (Q full / empty per buffer,
         four per slot), the two item slots, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
         c = self.for_head_dim(D, mods)
-        qbufs = 2 if self.persistent else 1
+        qbufs = 2 if c.persistent else 1
         return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 8
                 + 1024)
 
@@ -160,7 +168,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         self.name, self.overlap = name, overlap
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
-                  exp2_fma=0, persistent=False):
+                  exp2_fma=0, persistent="auto"):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent)
 
@@ -267,9 +275,10 @@ PARAMS = (
           "(WsConfig.for_head_dim)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
-    Param("persistent", (False, True), False, "one block per SM walking the Q tiles (last tiles first) with two Q "
-          "buffers: the next tile's Q and K / V load under this one's last GEMMs and epilogue (FA3 Sec. 3.1's "
-          "persistent kernel; d <= 128, no ping-pong)"),
+    Param("persistent", ("auto", False, True), "auto", "one block per SM taking (Q tile, head) items from an atomic "
+          "counter, with two Q buffers: the next item's Q and K / V load under this one's last GEMMs and epilogue "
+          "(FA3 Sec. 3.1's persistent kernel and tile scheduler; d <= 128, no ping-pong); auto: on at 64 < d <= 128 "
+          "without modifiers (measured 0-8% faster there, 3% slower at d = 64, N >= 8k)"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
@@ -284,7 +293,7 @@ register(Variant(
     tags=("tc-ladder",),
     # consumers=2: the former default at d = 64, beside "auto" (3 there; 0.90-1.00x cuDNN non-causal on the H100,
     # bench/results/h100/2026-11-26-session-7-d64.md)
-    bench_configs=({"stages": 3}, {"consumers": 2}, {"persistent": True})))
+    bench_configs=({"stages": 3}, {"consumers": 2}, {"persistent": True}, {"persistent": False})))
 
 register(Variant(
     name="fa3", family="fa3", backend="cuda",
@@ -295,6 +304,6 @@ register(Variant(
                            "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
-    bench_configs=({"pingpong": True}, {"persistent": True}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
+    bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
                    {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
