@@ -266,8 +266,8 @@ def cmd_fuzz(args):
                 except KeyboardInterrupt:
                     # Ctrl-C or a time limit's SIGINT: what ran so far is still a result (the example in flight
                     # is not counted)
-                    print(f"\n  interrupted: {name} {dtype} {direction} after {max(seen[0] - 1, 0)} examples",
-                          file=sys.stderr)
+                    done = fuzz.EXAMPLES[f"{bound.name}/{dtype}/{direction}"]
+                    print(f"\n  interrupted: {name} {dtype} {direction} after {done} examples", file=sys.stderr)
                     print(f"examples checked: {sum(fuzz.EXAMPLES.values())}, failing configurations: {failures} "
                           f"(interrupted)")
                     raise SystemExit(130)
