@@ -70,8 +70,10 @@
 // Score modifiers (issue 18; variants/fa3_backward.py backward_mods): a distance bias (ALiBi) seeds S^T as the
 // forward seeds S; any other score modifier with a derivative compiles its text (tc_mods.cuh FA_SCORE_MOD,
 // FA_SCORE_MOD_GRAD) into the exponent's loop, where S becomes P mod' after P went into dV's operand; sinks
-// need nothing (P comes from lse). Mask modifiers stay with fa2_tc_bwd.cu (this kernel's tile list has no
-// mask modifier's classes).
+// need nothing (P comes from lse). A mask modifier (FA_MASK_MOD): the host folds its tile classes into the
+// tile table ([mod_tile_b x tile_heads] rows, as the forward's), so the work list skips its empty tiles and
+// full tiles skip the predicate; partial tiles evaluate mod_visible per element (as visibility bits under
+// the GEMMs at BR = 128).
 //
 // Kernels
 //   fa3_bwd2<T, D, BR, R, DROPOUT>  grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K;
@@ -87,8 +89,8 @@
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
-#if defined(FA_MASK_MOD) || (defined(FA_SCORE_MOD) && !defined(FA_SCORE_MOD_GRAD))
-#error "fa3_bwd2.cu takes score modifiers with their derivative (or a distance bias) and sinks; mask modifiers run fa2_tc_bwd.cu"
+#if defined(FA_SCORE_MOD) && !defined(FA_SCORE_MOD_GRAD)
+#error "fa3_bwd2.cu takes score modifiers with their derivative (or a distance bias), sinks and mask modifiers"
 #endif
 
 #define LOG2E_F 1.4426950408889634f
@@ -121,7 +123,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
          const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
          int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: score modifiers only (below)
+         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: with modifiers only (below)
     constexpr int THREADS = 256, BC = 128;
     constexpr int NQ = BR / 8, ND = D / 8;
     constexpr unsigned STAGE = 64 * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
@@ -166,7 +168,12 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
 
     // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
     auto cls_of = [&](int gi, int t) {
-        return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
+#ifdef FA_MODS
+        const long long row = mod_tile_index(mod_tile_b, tile_heads, b, hk * group + gi);   // per batch with a mask modifier
+#else
+        const long long row = tile_heads == 1 ? 0 : hk * group + gi;
+#endif
+        return (int)tiles[(row * nTr + t) * nTc + tc];
     };
     auto advance = [&](int& gi, int& t) {
         if (t0 > t1) return false;
@@ -258,6 +265,13 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // ptxas copied them to other registers and spilled 72 bytes (NVRTC 13).
         constexpr bool VIS_BITS = BR == 128;
         const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
+        auto visible = [&](int i, int j) {            // the band / block mask, and the mask modifier where there is one
+#ifdef FA_MODS
+            return mod_visible(mask, b, h, i, j, MOD_FN_ARGS);
+#else
+            return mask.visible(h, i, j);
+#endif
+        };
         unsigned long long hidden = 0ull;
         if (VIS_BITS && masked) {
 #pragma unroll 1
@@ -265,14 +279,14 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = row0 + n * 8 + 2 * tq + (e & 1), j = col0 + wkey + g + (e >= 2 ? 8 : 0);
-                    if (!(i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))))
+                    if (!(i < Nq && j < Nk && (cls == TILE_FULL || visible(i, j))))
                         hidden |= 1ull << (4 * n + e);
                 }
         }
         // whether element (n, e), query row0 + x, key j, is in range and visible (a masked tile's test)
         auto in_mask = [&](int n, int e, int i, int j) {
             return VIS_BITS ? !((hidden >> (4 * n + e)) & 1ull)
-                            : i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j));
+                            : i < Nq && j < Nk && (cls == TILE_FULL || visible(i, j));
         };
         wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
         fence_accumulators(s[0]);

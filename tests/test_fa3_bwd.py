@@ -41,17 +41,17 @@ def test_wgmma2_is_a_backward_of_every_hopper_rung(name):
 
 
 def test_wgmma_backwards_refuse_the_modifiers_they_do_not_take():
-    """A config naming wgmma2 takes score modifiers, not mask modifiers; one naming wgmma takes neither
-    (fa3_backward.takes_mods, the same rule "auto" routes by)."""
+    """A config naming wgmma2 takes score and mask modifiers; one naming wgmma neither (fa3_backward.takes_mods,
+    the same rule "auto" routes by)."""
     from sandbox import modifiers
     doc = _problem(64, mask_mod=modifiers.document(np.arange(16) // 8))
     soft = _problem(64, score_mod=modifiers.softcap(30.0))
-    for kernel, p in (("wgmma2", doc), ("wgmma", soft), ("wgmma", doc)):
-        bound = sandbox.get_variant("fa3", bwd_kernel=kernel)
+    for p in (doc, soft):
+        bound = sandbox.get_variant("fa3", bwd_kernel="wgmma")
         bound.check(p, "forward")
-        with pytest.raises(ValueError, match="bwd_kernel=.mma.*fa3_bwd2.cu"):
+        with pytest.raises(ValueError, match="wgmma.*fa3_bwd.cu.*takes no modifiers"):
             bound.check(p, "backward")
-    sandbox.get_variant("fa3", bwd_kernel="wgmma2").check(soft, "backward")
+        sandbox.get_variant("fa3", bwd_kernel="wgmma2").check(p, "backward")
 
 
 @pytest.mark.parametrize("name", ["fa3-wgmma", "fa3-ws", "fa3"])
@@ -66,18 +66,18 @@ def test_a_wgmma_backward_config_lists_what_it_takes_and_the_fuzzer_draws_nothin
     assert v.bind().caps.score_mod and v.bind().caps.mask_mod
     for kernel in fa3_backward.KERNELS:
         bound = v.bind(bwd_kernel=kernel)
-        assert bound.caps.score_mod == (kernel == "wgmma2") and not bound.caps.mask_mod
+        assert bound.caps.score_mod == bound.caps.mask_mod == (kernel == "wgmma2")
 
         @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
         @given(fuzz.cases(bound, "float16"))
         def no_modifier(case):
-            assert "mask_mod" not in case.options and ("score_mod" not in case.options or kernel == "wgmma2")
+            assert kernel == "wgmma2" or ("mask_mod" not in case.options and "score_mod" not in case.options)
         no_modifier()
 
 
 def test_default_backward_is_wgmma2_where_it_can_run():
-    """bwd_kernel="auto" (the default): wgmma2 for d <= 128 without modifiers or with score modifiers and
-    sinks (a distance bias seeded, others compiled in); fa2-tc's mma.sync with a mask modifier or past 128."""
+    """bwd_kernel="auto" (the default): wgmma2 for d <= 128 with or without modifiers (a distance bias seeded,
+    other score modifiers and mask modifiers compiled in); fa2-tc's mma.sync past 128."""
     from sandbox import modifiers
     from sandbox.problem import Problem
     from variants.fa3_wgmma import resolve_bwd_kernel
@@ -94,8 +94,12 @@ def test_default_backward_is_wgmma2_where_it_can_run():
              (None, modifiers.sinks([0.1]), alibi, modifiers.softcap(5.0).with_sinks([0.2]))]
     assert kinds == ["none", "none", "seed", "text"]
     doc = modifiers.document(np.arange(70) // 35)
-    assert resolve_bwd_kernel("auto", dataclasses.replace(plain, score_mod=alibi, mask_mod=doc)) == "mma"
-    assert resolve_bwd_kernel("auto", dataclasses.replace(plain, mask_mod=doc)) == "mma"
+    with_doc = [dataclasses.replace(plain, score_mod=sm, mask_mod=doc) for sm in (None, alibi, modifiers.softcap(5.0))]
+    assert [resolve_bwd_kernel("auto", p) for p in with_doc] == ["wgmma2"] * 3
+    assert [fa3_backward.backward_mods(p) for p in with_doc] == ["mask"] * 3
+    # a mask modifier's module: 128 query rows at D = 64 unless a score modifier's text comes with it
+    assert [fa3_backward.text_of(p, "mask") for p in with_doc] == [False, True, True]
+    assert resolve_bwd_kernel("auto", dataclasses.replace(plain, d=136, mask_mod=doc)) == "mma"
     # wgmma (fa3_bwd.cu) seeds nothing: sinks alone, not ALiBi
     assert fa3_backward.takes_mods("wgmma", dataclasses.replace(plain, score_mod=modifiers.sinks([0.1])))
     assert not fa3_backward.takes_mods("wgmma", dataclasses.replace(plain, score_mod=alibi))
@@ -173,8 +177,8 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
     """ALiBi's bias seeds fa3_bwd2's S^T (-DFA_DIST_BIAS, the forward's options); the soft-cap and the relative
     bias compile their text and derivative in (-DFA_SCORE_MOD, the backward's): a module per modifier text and
     dropout switch, built for sm_90a with no serialized wgmma, no spills at D = 64 and for ALiBi, at most
-    WGMMA2_TEXT_SPILLS bytes for a text at D = 128; a mask modifier is refused by the host (and would fail the
-    build: the #error)."""
+    WGMMA2_TEXT_SPILLS bytes for a text at D = 128; a mask modifier compiles its predicate in (-DFA_MASK_MOD),
+    at D = 64 without dropout or a text on 128 query rows (rows2), spill-free without a text."""
     pytest.importorskip("cuda.bindings.nvrtc")
     from sandbox import compile_report
     from variants.fa2_tc import ModKernel
@@ -190,7 +194,19 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
                                     ("float16", 128, 0.0, "relative_bias"), ("float16", 128, 0.0, "softcap"))]
     for u in text:
         assert "-DFA_SCORE_MOD_GRAD=1" in u.options and "-DFA_DIST_BIAS=1" not in u.options
-    units += text
+    from sandbox import modifiers
+    doc = modifiers.document(np.arange(300) // 150)
+    masked = []
+    for dt, D, drop, sm in (("float16", 64, 0.0, None), ("bfloat16", 64, 0.2, None), ("float16", 128, 0.0, None),
+                            ("float16", 64, 0.0, "softcap"), ("float16", 128, 0.2, "alibi")):
+        p = dataclasses.replace(_alibi_problem(D, drop), score_mod=score_mods()[sm] if sm else None, mask_mod=doc)
+        need = fa3_backward.backward_mods(p)
+        u = fa3_backward.unit2(dt, D, 10, serial=False, mods=fa3_backward.module_mods(p, need),
+                               text_mod=fa3_backward.text_of(p, need))
+        assert need == "mask" and "-DFA_MASK_MOD=1" in u.options and len(u.names) == 2
+        assert (", 64, 128, 10," in u.names[0]) == (D == 64 and not drop and sm is None)
+        masked.append(u)
+    units += text + masked
     jobs = compile_report.kernel_jobs([("fa3", bound, u) for u in units], ("sm_90",))
     loader.build_many([(j, "sm_90") for j in jobs.values()])
     for key, job in jobs.items():
@@ -201,11 +217,6 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
         limit = WGMMA2_TEXT_SPILLS if "FA_SCORE_MOD" in " ".join(key[1]) and "128," in key[2] else 0
         assert r.spill_stores <= limit and r.spill_loads <= limit and r.registers <= 255, (key, r)
         assert "serialized" not in b.log and "C7515" not in b.log and "C7519" not in b.log, b.log
-    from sandbox import modifiers
-    doc = dataclasses.replace(_alibi_problem(64), mask_mod=modifiers.document(np.arange(300) // 150))
-    assert fa3_backward.backward_mods(doc) == "generic"
-    with pytest.raises(ValueError, match="not mask modifiers"):
-        fa3_backward.backward2("fa3", doc, *([None] * 6), sandbox.get_variant("fa3").config.bwd)
 
 
 @pytest.mark.gpu
@@ -247,6 +258,39 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
     verdicts = {v.name: v for v in fuzz.check_case(bound, dataclasses.replace(cases[6], options={
         "score_mod": bad_grad, "causal": True}), "backward")}
     assert verdicts["out"].ok and not (verdicts["dq"].ok and verdicts["dk"].ok)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma2_with_mask_modifiers_matches_the_oracle(dtype, d):
+    """fa3's default backward runs wgmma2 with a mask modifier too (its predicate and tile classes compiled in):
+    document masks per batch entry (query / key ids, GQA, causal, ragged; empty tiles skipped), a prefix-LM mask,
+    with dropout (64 query rows), with a score modifier's text (soft-cap) and with ALiBi, a window, a negative
+    scale; at d = 64 without dropout the 128-row tile takes the predicate as visibility bits. A predicate that
+    is wrong in the CUDA form alone fails the check."""
+    from sandbox import fuzz, modifiers
+    from variants.fa3_wgmma import resolve_bwd_kernel
+    rng = np.random.default_rng(7)
+    ids = np.sort(rng.integers(0, 4, (2, 300)), axis=1)
+    doc = modifiers.document(ids[:, :257], ids[:, :300])
+    prefix = modifiers.prefix_lm([40, 130])
+    cases = [fuzz.Case(2, 4, 2, 257, 300, d, dtype, {"mask_mod": doc}, 1),
+             fuzz.Case(2, 4, 1, 257, 300, d, dtype, {"mask_mod": doc, "causal": True}, 2),
+             fuzz.Case(2, 2, 2, 200, 200, d, dtype, {"mask_mod": prefix}, 3),
+             fuzz.Case(2, 4, 2, 257, 300, d, dtype, {"mask_mod": doc, "dropout_p": 0.3, "seed": 4}, 4),
+             fuzz.Case(2, 4, 4, 257, 300, d, dtype, {"mask_mod": doc, "score_mod": modifiers.softcap(5.0)}, 5,
+                       logit_scale=6.0),
+             fuzz.Case(2, 4, 2, 257, 300, d, dtype, {"mask_mod": doc, "score_mod": modifiers.alibi([0.5, 0.25, 0.1, 0.05]),
+                                                     "window": (90, 20), "scale": -0.2}, 6)]
+    bound = sandbox.get_variant("fa3")
+    for case in cases:
+        p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
+        assert resolve_bwd_kernel(bound.config.bwd_kernel, p) == "wgmma2"
+        fuzz.assert_case(bound, case, "backward")
+    bad = dataclasses.replace(prefix, name="prefix_bad", cuda="j <= i || j < prefix[min(b, prefix_shape0 - 1)] + 3")
+    verdicts = fuzz.check_case(bound, dataclasses.replace(cases[2], options={"mask_mod": bad}), "backward")
+    assert not all(v.ok for v in verdicts)
 
 
 # ---- the dQ accumulator's order (kernel side: fa3_bwd2's staging; reader: fa3_bwd2_dq)

@@ -17,8 +17,9 @@ text (`rows2`: FA3's 128 x 128 tile for head dim 64).
 Neither is deterministic (atomics, reductions); `bwd_kernel="mma"` keeps fa2-tc's kernels.
 Modifiers (`backward_mods`): both take attention sinks alone (P is recomputed from lse, which holds the
 sink: nothing changes); wgmma2 also takes a distance bias (ALiBi, ScoreMod.cuda_distance_slope), which
-seeds its S^T accumulator as the forward's S (kernels_cu/tc_mods.cuh), and any other score modifier with
-a derivative (its text compiled in, as fa2-tc's backward does). Mask modifiers run fa2-tc's backward.
+seeds its S^T accumulator as the forward's S (kernels_cu/tc_mods.cuh), any other score modifier with
+a derivative (its text compiled in, as fa2-tc's backward does), and mask modifiers (their predicate
+compiled in, their tile classes folded into the tile table).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 
 from .fa2_tc import (CTYPE, ITEMSIZE, ModKernel, TCConfig, _check_aligned, _check_row_strides, _dropout_slots,
-                     check_alignment, d_pad, modifier_args, seeds_bias)
+                     check_alignment, d_pad, modifier_args, modifier_tiles, seeds_bias)
 
 BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
@@ -41,19 +42,33 @@ def backward_mods(p) -> str:
     """What a problem's modifiers ask of a backward kernel: "none" (no modifiers, or attention sinks alone:
     the backward recomputes P from lse, which holds the sink), "seed" (a distance bias, with or without
     sinks: fa3_bwd2 seeds S^T with it), "text" (another score modifier: its text and derivative compiled
-    in), "generic" (a mask modifier: fa2-tc's backward)."""
+    in), "mask" (a mask modifier, with any score modifier's text and derivative: its predicate and tile
+    classes compiled in)."""
     sm, mm = p.score_mod, p.mask_mod
     if mm is not None:
-        return "generic"
+        return "mask"
     if sm is None or sm.is_identity:
         return "none"
     return "seed" if seeds_bias(p) else "text"
 
 
 def takes_mods(kernel: str, p) -> bool:
-    """Whether bwd_kernel `kernel` ("wgmma", "wgmma2") runs problem p's modifiers."""
-    need = backward_mods(p)
-    return need == "none" or (need in ("seed", "text") and kernel == "wgmma2")
+    """Whether bwd_kernel `kernel` ("wgmma", "wgmma2") runs problem p's modifiers: wgmma2 all of them,
+    wgmma (fa3_bwd.cu) sinks alone."""
+    return backward_mods(p) == "none" or kernel == "wgmma2"
+
+
+def module_mods(p, need: str) -> ModKernel | None:
+    """fa3_bwd2's modifier options for backward_mods' `need`: a distance bias the forward's (FA_DIST_BIAS;
+    FA_SINKS harmless), a score modifier's text or a mask modifier the backward's (text and derivative, the
+    predicate), sinks alone none (the module without modifiers)."""
+    return {"seed": ModKernel.of(p), "text": ModKernel.of(p, backward=True),
+            "mask": ModKernel.of(p, backward=True)}.get(need)
+
+
+def text_of(p, need: str) -> bool:
+    """Whether fa3_bwd2's module compiles a score modifier's text (rows2: 64 query rows then)."""
+    return need == "text" or (need == "mask" and p.score_mod is not None and not p.score_mod.is_identity)
 
 
 def name(dtype: str, D: int, dropout: bool, rounds: int) -> str:
@@ -201,9 +216,6 @@ def _args2(p, q_args, acc, dk, dv, tiles, tile_heads, xp, dropout_rest) -> tuple
 def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     """dq, dk, dv on the caller's CuPy stream: rowdot, fa3_bwd2 (dK, dV, the dQ accumulator), fa3_bwd2_dq."""
     need = backward_mods(p)
-    if need == "generic":
-        raise ValueError(f"variant {variant!r}: bwd_kernel 'wgmma2' takes score modifiers and sinks, not mask "
-                         f"modifiers; {p.mask_mod} runs fa2-tc's backward (bwd_kernel 'mma' or 'auto')")
     import cupy as xp
     for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
         check_alignment(x, nm, variant)
@@ -217,17 +229,17 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
-    rows = rows2(D, dropout, need == "text")
-    tiles, tile_heads = tile_table(p, rows, BC, xp)
-    # a distance bias: the forward's options (FA_DIST_BIAS; FA_SINKS harmless); a score modifier: the backward's
-    # (its text and derivative); sinks alone: none (the module without modifiers)
-    mods = {"seed": ModKernel.of(p), "text": ModKernel.of(p, backward=True)}.get(need)
-    u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=need == "text")
+    text = text_of(p, need)
+    rows = rows2(D, dropout, text)
+    # the tile table with a mask modifier's classes folded in ([B or 1] x [Hq or 1] rows; without one the usual)
+    tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
+    mods = module_mods(p, need)
+    u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text)
     kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
     operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
     launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
            _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
-           + (modifier_args(p, 1, xp) if mods is not None else ()),
+           + (modifier_args(p, int(tile_b), xp) if mods is not None else ()),
            shared_mem=u.dynamic_smem[kname])
     launch(u, dq_name(p.dtype), (-(-p.Nq // 64), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))

@@ -23,8 +23,8 @@ at d = 128, refused past it with a ValueError naming the head dim.
 Score and mask modifiers (issue 18, sandbox/modifiers.py): fa2-tc's, compiled into the forward module
 (kernels_cu/tc_mods.cuh by -D switches; one module per modifier text and dropout switch; fa2_tc.ModKernel),
 the mask modifier's empty tiles skipped through the tile table; the backward of such a forward is
-fa2-tc's with the same modifiers where a mask modifier is among them ("mma" always; a config naming
-"wgmma" / "wgmma2" refuses them), and wgmma2 with score modifiers and sinks ("auto": fa3_backward.backward_mods).
+wgmma2 with the same modifiers compiled in ("auto" up to d = 128: fa3_backward.backward_mods), fa2-tc's
+past 128 or with "mma", and a config naming "wgmma" refuses them but sinks.
 Runs on sm_90 GPUs only (H100, H200): wgmma exists on the sm_90a target alone, whose code runs on no
 other architecture; elsewhere check() raises a ValueError naming it.
 Status and speed: bench/results/h100/ (the tensor-core table lists it beside fa2-tc).
@@ -87,10 +87,9 @@ def register_errors(D: int, bc: int, cap: int, who: str) -> list[str]:
 
 # ---- score and mask modifiers (issue 18): fa2-tc's (kernels_cu/tc_mods.cuh, fa2_tc.ModKernel)
 
-_WGMMA_BWD_MODS = ("bwd_kernel=\"wgmma2\" takes score modifiers and sinks, not mask modifiers, and \"wgmma\" none; "
-                   "bwd_kernel=\"mma\" runs them all on fa2-tc's backward, and \"auto\" (the default) score "
-                   "modifiers and sinks on kernels_cu/fa3_bwd2.cu, mask modifiers on fa2-tc's (kernels_cu/fa3_bwd.cu "
-                   "has no modifiers)")
+_WGMMA_BWD_MODS = ("bwd_kernel=\"wgmma\" (kernels_cu/fa3_bwd.cu) takes no modifiers but sinks; bwd_kernel="
+                   "\"wgmma2\", \"mma\" (fa2-tc's backward) and \"auto\" (the default: wgmma2 up to d = 128) "
+                   "take them all")
 
 
 def has_mods(p) -> bool:
@@ -102,8 +101,8 @@ AUTO_BWD = "wgmma2"       # what bwd_kernel="auto" runs where it can (2x "mma" o
 
 def resolve_bwd_kernel(bwd_kernel: str, p) -> str:
     """The backward kernel a config runs for problem p: "auto" is AUTO_BWD for d <= 128 (the wgmma backwards
-    hold dK / dV for D <= 128) where it takes the modifiers (none, sinks, a distance bias:
-    fa3_backward.takes_mods), else fa2-tc's ("mma")."""
+    hold dK / dV for D <= 128) where it takes the modifiers (wgmma2: all of them, fa3_backward.takes_mods),
+    else fa2-tc's ("mma")."""
     if bwd_kernel != "auto":
         return bwd_kernel
     return AUTO_BWD if p.d <= 128 and fa3_backward.takes_mods(AUTO_BWD, p) else "mma"
@@ -112,7 +111,7 @@ def resolve_bwd_kernel(bwd_kernel: str, p) -> str:
 def modifier_errors(p, config, direction) -> list[str]:
     """fa2-tc's checks of a problem's modifiers (their CUDA text and buffers, the float positions), and
     the backward's kernel where a config names one: fa3_backward.takes_mods (wgmma2: score modifiers and
-    sinks; wgmma: sinks alone; fa2-tc's, "mma": everything)."""
+    sinks and mask modifiers; wgmma: sinks alone; fa2-tc's, "mma": everything)."""
     if not has_mods(p):
         return []
     for mod in (p.score_mod, p.mask_mod):          # their CUDA text and buffers, before any launch
@@ -258,12 +257,10 @@ class FA3Wgmma(FA2TensorCore):
 
     def config_caps(self, config, caps):
         """A config naming a wgmma backward lists what it takes (fa3_backward.takes_mods): wgmma2 (fa3_bwd2.cu)
-        score modifiers, not mask modifiers; wgmma (fa3_bwd.cu) neither (sinks alone, which the
-        capabilities cannot say apart, are refused there by modifier_errors' rule as well)."""
+        every modifier; wgmma (fa3_bwd.cu) none (sinks alone, which the capabilities cannot say apart, are
+        taken there: P comes from lse)."""
         if config.bwd_kernel == "wgmma":
             return dataclasses.replace(caps, score_mod=False, mask_mod=False)
-        if config.bwd_kernel == "wgmma2":
-            return dataclasses.replace(caps, mask_mod=False)
         return caps
 
     def backward(self, p, dout, q, k, v, out, lse, config):
@@ -345,12 +342,12 @@ class FA3Wgmma(FA2TensorCore):
 BWD_KERNEL = Param("bwd_kernel", ("auto", "mma", "wgmma", "wgmma2"), "auto", "backward kernels: mma, fa2-tc's "
                    "(mma.sync; modifiers compiled in); wgmma, kernels_cu/fa3_bwd.cu (five wgmma GEMMs, 128 keys per "
                    "block, dQ by atomics); wgmma2, kernels_cu/fa3_bwd2.cu (one dQ partial per tile by bulk reductions, "
-                   "the GEMMs overlapped with the element-wise steps; 2x mma on the H100; score modifiers compiled "
-                   "in); auto: wgmma2 for d <= 128 without a mask modifier, else mma")
+                   "the GEMMs overlapped with the element-wise steps; 2x mma on the H100; score and mask modifiers "
+                   "compiled in); auto: wgmma2 for d <= 128, else mma")
 # head dims: the forward's (multiples of 8 up to 256), the backward's the same with "mma" / "auto"; "wgmma" and
 # "wgmma2" stop at 128 (check() refuses past it: the registry has one head-dim list for both directions)
-# score_mod / mask_mod: compiled into the forward (tc_mods.cuh); the backward wgmma2 with score modifiers, fa2-tc's
-# with a mask modifier (fa3_backward.backward_mods)
+# score_mod / mask_mod: compiled into the forward (tc_mods.cuh) and into the backward (wgmma2 to d = 128, fa2-tc's
+# past it; fa3_backward.backward_mods)
 CAPS = Capabilities(backward=True, dtypes=("float16", "bfloat16"), head_dims=tuple(range(8, 257, 8)),
                     score_mod=True, mask_mod=True)
 

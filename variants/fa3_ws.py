@@ -15,16 +15,16 @@ slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column bloc
 polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
 with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
 Tensor maps: sandbox/tma.py (built per array on the host, passed by value through loader.PackedLaunch).
-The backward: `bwd_kernel` (fa3_wgmma.BWD_KERNEL; "auto" is wgmma2 at d <= 128 without a mask modifier,
-else fa2-tc's mma.sync backward with its defaults).
+The backward: `bwd_kernel` (fa3_wgmma.BWD_KERNEL; "auto" is wgmma2 at d <= 128, modifiers included, else
+fa2-tc's mma.sync backward with its defaults).
 Features and envelope: as fa3-wgmma (fa2-tc's features; fp16, bf16; d a multiple of 8 up to 256, padded
 to D = 64, 128, 192 or 256; Bc "auto": FA3's key tile per head dim, 128 / 112 / 80; the backward runs every
 head dim, fa2-tc's wide kernel past d = 128; sm_90 GPUs only). At D = 256 the default tile is FA3's: Br = 128 (two consumer warpgroups at
 240 registers, O alone 128 of them), Bc = 80, two ring slots (Q 64 KB + 2 x (K, V) 160 KB of 227 KB). Arrays whose strides TMA cannot describe (not 16-byte multiples, zero strides of
 broadcast dims) are copied to contiguous ones first; the torch plan path then takes the generic path.
 Score and mask modifiers: as fa3-wgmma (tc_mods.cuh compiled into the forward module, the mask
-modifier's tile classes in the table both roles walk; the backward as fa3-wgmma's: wgmma2 with score modifiers,
-fa2-tc's with a mask modifier).
+modifier's tile classes in the table both roles walk; the backward as fa3-wgmma's: wgmma2 with every modifier
+up to d = 128).
 Status and speed: bench/results/h100/.
 """
 from __future__ import annotations
