@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from sandbox import arrays, tma
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, sm_count
-from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, mask_args
+from sandbox.launch import LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
@@ -153,6 +153,11 @@ class WsConfig:
 
 # ---- launch
 
+def _no_sched(xp):
+    """The `sched` argument of a non-persistent launch: a device int the kernel never reads (cached)."""
+    return _cached(("no-sched",), lambda: xp.zeros(1, dtype=xp.int32), xp)
+
+
 class FA3WarpSpecialized(FA3Wgmma):
     """fa3-wgmma's checks, compile units and (fa2-tc's) backward; its own forward launch: tensor maps
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
@@ -198,7 +203,7 @@ class FA3WarpSpecialized(FA3Wgmma):
     @staticmethod
     def grid(p, config) -> tuple[int, int]:
         """(ceil(Nq / Br), B * Hq) blocks, one per Q tile; persistent: as many blocks as Q tiles, at most one
-        per SM (the GPU's count; uncapped without a GPU), each walking every gridDim.x-th tile."""
+        per SM (the GPU's count; uncapped without a GPU), each taking items from the kernel's atomic counter."""
         tiles = -(-p.Nq // config.block_r)
         if not config.persistent:
             return tiles, p.B * p.Hq
@@ -226,7 +231,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
-        sched = xp.zeros(1, dtype=xp.int32) if config.persistent else lse     # lse: a pointer the kernel never reads
+        sched = xp.zeros(1, dtype=xp.int32) if config.persistent else _no_sched(xp)
         tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, sched, xp, mods)
         unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
@@ -246,7 +251,7 @@ class FA3WarpSpecialized(FA3Wgmma):
             return None
         rows = {"q": 64, "k": config.bc(d_pad(p.d)), "v": config.bc(d_pad(p.d))}
         maps = tuple(Slot(f"map_{nm}", "map") for nm in ("q", "k", "v"))
-        sched = Slot("sched") if config.persistent else Slot("lse")
+        sched = Slot("sched") if config.persistent else _no_sched(xp)
         tiles, args, D, dropout, _ = self._arguments(p, config, maps, Slot("out"), Slot("lse"), sched, xp)
         unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, self.grid(p, config),
@@ -264,7 +269,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
         if config.persistent:
             buffers["sched"] = ((1,), "int32", True)     # the item counter, zeroed by the caller per call
-        return LaunchPlan(buffers, run, keep=(tiles,))
+        return LaunchPlan(buffers, run, keep=(tiles,) if config.persistent else (tiles, sched))
 
 
 PARAMS = (
