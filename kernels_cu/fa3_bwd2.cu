@@ -66,6 +66,9 @@
 //    under the GEMMs (VIS_BITS), which is what made it fit in 255 registers (251, no spills, NVRTC 13).
 //    Predicted (H100, fp16, d = 64, N = 4k-16k, B H = 64): backward +15-25% over BR = 64 non-causal (about
 //    300 -> 350-380 TFLOP/s), less causal; forward + backward from 0.70-0.79x cuDNN to 0.78-0.85x.
+//    Measured (bench/results/h100/2026-11-26-session-8.md, same run, N = 2k-16k): backward +25-38% (267-302 ->
+//    354-400 TFLOP/s non-causal, 213-298 -> 267-408 causal), forward + backward 0.90-0.97x cuDNN: more than
+//    predicted (not profiled; the count above leaves out the partial exchange's wait and the per-step costs).
 //
 // Score modifiers (issue 18; variants/fa3_backward.py backward_mods): a distance bias (ALiBi) seeds S^T as the
 // forward seeds S; any other score modifier with a derivative compiles its text (tc_mods.cuh FA_SCORE_MOD,

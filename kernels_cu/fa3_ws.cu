@@ -30,6 +30,9 @@
 //       copies' whole latency exposed and 1 block fits an SM. D <= 128 (two Q buffers fit), no ping-pong.
 //       Predicted (H100, fp16): +5-10% forward at N = 2k non-causal (~16 K / V tiles per item: a ~2 us start of
 //       ~25 us), +8-15% causal at N = 2k (half the tiles per item on average), within 2% at N = 16k.
+//       Measured (bench/results/h100/2026-11-26-session-8.md, same run as the default grid): d = 128 +6% / +8%
+//       at N = 2k (non-causal / causal), 0 to +1% at 16k; d = 64 +3% / +6% at 2k but 3-4% slower from N = 8k
+//       (not explained), so the host's persistent="auto" turns it on at D = 128 only.
 //   Tensor maps (variants/fa3_ws.py): 4-D (d, N, H, B) with the caller's strides, box 64 x rows, the
 //   128-byte swizzle: each box lands as one [rows][64] panel of hopper.cuh's layout. Rows past N and
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
