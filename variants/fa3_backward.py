@@ -62,8 +62,7 @@ def module_mods(p, need: str) -> ModKernel | None:
     """fa3_bwd2's modifier options for backward_mods' `need`: a distance bias the forward's (FA_DIST_BIAS;
     FA_SINKS harmless), a score modifier's text or a mask modifier the backward's (text and derivative, the
     predicate), sinks alone none (the module without modifiers)."""
-    return {"seed": ModKernel.of(p), "text": ModKernel.of(p, backward=True),
-            "mask": ModKernel.of(p, backward=True)}.get(need)
+    return None if need == "none" else ModKernel.of(p, backward=need != "seed")
 
 
 def text_of(p, need: str) -> bool:

@@ -57,7 +57,7 @@ def _resolve(config: "WsConfig", D: int, mods: bool) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     plain = not config.pingpong and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
-    c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent == True)   # noqa: E712
+    c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent))
     if config.persistent == "auto" and D == AUTO_PERSISTENT_D and plain:
         on = dataclasses.replace(c, persistent=True)
         c = on if on.forward_smem(D) <= SMEM_LIMIT else c        # two Q buffers beside stages=3 do not fit
