@@ -206,35 +206,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const Item x = item_of(w);
         const int bh = x.bh, b = x.b, h = x.h, row0 = x.row0;
         const TileWalk walk = x.walk;
-        // This warpgroup's own tiles (`mine`): the block's walk cut to the band of its 64 rows. With three
-        // consumers (Br = 192 > Bc) a causal or windowed block walks tiles that some of its warpgroups do not
-        // see at all (causal, N = 2k, d = 64: 303 warpgroup-tiles where 272 are needed); a warpgroup skips
-        // them, only taking its turn on their ring slots (`drain`: wait for the copy, release the slot, so that
-        // the empty barriers count every warp once per use). They are a prefix and a suffix of the walk (a
-        // band's visible columns are an interval that moves with the row). Not with ping-pong: its turns pair
-        // the two warpgroups' GEMMs one to one; not in the persistent kernel with three consumers, where the
-        // two loops of drains spill 40 bytes at 160 registers (NVRTC 13, D = 64).
-        TileWalk mine = walk;
-        if constexpr (!PINGPONG && !(PERSIST && NC == 3)) {
-            const int r0 = row0 + c * 64;
-            int a = walk.last + 1, z = walk.last;     // no rows of this warpgroup below Nq: every tile drained
-            if (r0 < Nq) {
-                band_tiles(r0, min(r0 + 63, Nq - 1), band_lo, band_hi, Nk, BC, a, z);
-                a = max(a, walk.first), z = min(z, walk.last);
-            }
-            mine.first = next_live_tile(walk.cls, a, z);
-            mine.last = max(z, mine.first - 1);       // none: the drains below cover the walk from mine.first on
-        }
-        auto drain = [&](int t) {                     // tile t of the walk, not this warpgroup's: its ring turn
-            const int s = it % STAGES;
-            const unsigned parity = (it / STAGES) & 1;
-            mbar_wait(k_full + 8 * s, parity);        // the use before this one was released by every warp
-            if (lane == 0) mbar_arrive(k_empty + 8 * s);
-            mbar_wait(v_full + 8 * s, parity);
-            if (lane == 0) mbar_arrive(v_empty + 8 * s);
-            ++it;
-        };
-        for (int t = walk.first; t <= walk.last && t < mine.first; t = walk.next(t)) drain(t);   // before its first
         const unsigned q_rows = sQ + qb * Q_BYTES + c * 64 * 128;
         float o[1][ND][4], m[1][2], l[1][2];
         zero_state(o, m, l);
@@ -267,7 +238,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         };
 
         if constexpr (!OVERLAP) {
-            for (int t = mine.first; t <= mine.last; t = walk.next(t), ++it) {
+            for (int t = walk.first; t <= walk.last; t = walk.next(t), ++it) {
                 const int s = it % STAGES;
                 const unsigned parity = (it / STAGES) & 1;
                 float sc[1][NT][4], corr[1][2];
@@ -291,7 +262,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 fence_accumulators(o[0]);
                 if (lane == 0) mbar_arrive(v_empty + 8 * s);
             }
-        } else if (mine.first <= mine.last) {
+        } else if (walk.first <= walk.last) {
             // PINGPONG: the two warpgroups take turns issuing their GEMMs (each turn waits on its own
             // named barrier, 1 + c, and ends with an arrival on the other's), so that one's softmax runs
             // under the other's GEMMs. Warpgroup 1 lets warpgroup 0 go first; every sync is matched
@@ -301,7 +272,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             if (PINGPONG && c == 1) named_arrive(1, 256);
             // prologue: S_0, its softmax; P_0 waits in registers for V_0
             unsigned pa[BC / 16][4];
-            int t = mine.first, s = it % STAGES;
+            int t = walk.first, s = it % STAGES;
             unsigned parity = (it / STAGES) & 1;
             {
                 float sc[1][NT][4], corr[1][2];
@@ -318,7 +289,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 scores_to_p(sc, t, corr);              // O is still zero: no rescale
                 p_operands<T>(pa, sc);
             }
-            for (int tn = walk.next(t); tn <= mine.last; tn = walk.next(tn)) {
+            for (int tn = walk.next(t); tn <= walk.last; tn = walk.next(tn)) {
                 ++it;
                 const int sn = it % STAGES;
                 const unsigned pn = (it / STAGES) & 1;
@@ -363,9 +334,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         fold_sinks(o, m, l, mod_sink, h, tq);        // attention sinks join the denominator (FA_SINKS only)
 #endif
         write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
-        // the walk's tiles past this warpgroup's last (its output is written: the copies wait no longer on it)
-        for (int t = walk.next(mine.last); t <= walk.last; t = walk.next(t))
-            drain(t);
         if (!PERSIST) break;
         }
     }
