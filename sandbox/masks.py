@@ -64,6 +64,15 @@ class Band:
         return (d >= self.lo) & (d <= self.hi)
 
 
+@functools.lru_cache(maxsize=256)
+def mean_visible_keys(Nq: int, Nk: int, lo: int, hi: int) -> float:
+    """The mean number of keys a query row sees under the band lo <= j - i <= hi (rows 0 .. Nq - 1, keys
+    0 .. Nk - 1; dead rows count 0), exactly, once per shape."""
+    i = np.arange(Nq, dtype=np.int64)
+    seen = np.minimum(Nk - 1, i + hi) - np.maximum(0, i + lo) + 1
+    return float(np.clip(seen, 0, None).mean()) if Nq else 0.0
+
+
 class BlockSparse:
     """Block-sparse layout: element (i, j) of head h is visible iff layout[h or 0, i//bq, j//bk]."""
 

@@ -138,12 +138,15 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
 
 
 def test_auto_persistent_is_on_at_d128_where_it_fits():
-    """persistent="auto": the persistent grid at D = 128 (measured 0-8% faster there, 3% slower at d = 64,
-    N >= 8k), not with modifiers, ping-pong, or where two Q buffers do not fit beside the ring (stages=3)."""
+    """persistent="auto": the persistent grid at D = 128 (measured 0-8% faster there), at D = 64 only on short
+    walks (3% slower at N >= 8k), not with modifiers, ping-pong, or where two Q buffers do not fit beside the ring
+    (stages=3)."""
     for name in ("fa3", "fa3-ws"):
         cfg = sandbox.get_variant(name).config
         assert cfg.persistent == "auto"
         assert [cfg.for_head_dim(D).persistent for D in (64, 128, 192, 256)] == [False, True, False, False]
+        assert [cfg.for_head_dim(D, short=True).persistent for D in (64, 128, 192, 256)] == [True, True, False, False]
+        assert cfg.for_head_dim(64, mods=True, short=True).persistent is False
         assert cfg.for_head_dim(128, mods=True).persistent is False
         assert sandbox.get_variant(name, stages=3).config.for_head_dim(128).persistent is False
         assert sandbox.get_variant(name, persistent=False).config.for_head_dim(128).persistent is False
@@ -151,6 +154,38 @@ def test_auto_persistent_is_on_at_d128_where_it_fits():
         assert ", 128, 128, 2, 2," in cfg.forward_name("float16", 128, False) and \
             ", true, 10, false>" in cfg.forward_name("float16", 128, False)
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(128).persistent is False
+
+
+@pytest.mark.parametrize("Nq, Nk, causal, window", [(1, 1, False, None), (7, 300, True, None), (300, 7, True, None),
+                                                     (500, 500, False, (31, 5)), (64, 1000, False, (None, -900)),
+                                                     (1000, 64, True, (10, None)), (0, 5, False, None)])
+def test_mean_visible_keys_counts_every_row(Nq, Nk, causal, window):
+    """masks.mean_visible_keys (persistent="auto"'s short walks) equals the element mask's mean row count."""
+    from sandbox.masks import Band, mean_visible_keys
+    band = Band.from_options(Nq, Nk, causal, window)
+    want = band.element_mask(Nq, Nk).sum(axis=1).mean() if Nq else 0.0
+    assert mean_visible_keys(Nq, Nk, band.lo, band.hi) == pytest.approx(want, abs=1e-9)
+
+
+def test_auto_persistent_at_d64_follows_the_walk_length():
+    """At d = 64 persistent="auto" is on where a row sees at most 3k keys on average (N = 2k, causal N = 4k on the
+    FA2 paper grid), off beyond, and never with modifiers or an explicit choice."""
+    from sandbox.problem import Problem
+    from variants.fa3_ws import short_walk
+    assert [short_walk(N, N, c, None) for N, c in ((2048, False), (4096, True), (4096, False), (8192, True))] == \
+        [True, True, False, False]
+    assert short_walk(16384, 16384, False, (1024, 0))          # a sliding window: short at any N
+    for name in ("fa3", "fa3-ws"):
+        bound = sandbox.get_variant(name)
+        impl = bound.variant.impl
+        resolved = lambda N, causal, **kw: impl._resolved(Problem(1, 4, 4, N, N, 64, "float16", causal=causal, **kw),
+                                                          bound.config)
+        assert resolved(2048, True).persistent and resolved(4096, True).persistent
+        assert not resolved(4096, False).persistent and not resolved(8192, True).persistent
+        assert resolved(2048, True).consumers == 3
+        assert not impl._resolved(Problem(1, 4, 4, 2048, 2048, 64, "float16", causal=True),
+                                  sandbox.get_variant(name, persistent=False).config).persistent
+        assert resolved(16384, True, window=(512, 0)).persistent
 
 
 def test_persistent_grid_and_shared_memory():
