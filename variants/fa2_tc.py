@@ -330,13 +330,6 @@ class ModKernel:
     dropout: bool
     label: str
 
-    @property
-    def scores(self) -> bool:
-        """Whether a score modifier is compiled in (its text, a distance bias or sinks), not a mask predicate
-        alone: at fa3's 160 registers a consumer thread (three consumers, D = 64) a soft-cap's text spills 416
-        bytes, ALiBi with dropout 364, sinks beside a document mask 4, a mask predicate alone none (NVRTC 13)."""
-        return any(o.startswith(("-DFA_SCORE_MOD=", "-DFA_DIST_BIAS=", "-DFA_SINKS=")) for o in self.options)
-
     @classmethod
     def of(cls, p, backward: bool = False) -> "ModKernel | None":
         """None without modifiers: the module and kernels are the ones without them."""

@@ -10,7 +10,7 @@ overlap of the softmax with the GEMMs; Algorithm 2).
            softmax of S_{j+1} under the second; `pingpong`: the two consumer warpgroups also take turns
            issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers; "auto": 3 at
-d <= 64 without a score modifier, else 2, WsConfig.for_head_dim), ring
+d <= 64 without modifiers, else 2, WsConfig.for_head_dim), ring
 slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
 polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
 with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
@@ -65,11 +65,10 @@ def short_walk(Nq: int, Nk: int, causal: bool, window) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, scores: bool = True) -> "WsConfig":
+def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     plain = not config.pingpong and not mods
-    three = D == AUTO_CONSUMERS_D and not config.pingpong and not (mods and scores)
-    consumers = config.consumers if config.consumers != "auto" else (3 if three else 2)
+    consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent))
     if config.persistent == "auto" and plain and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
         on = dataclasses.replace(c, persistent=True)
@@ -91,17 +90,16 @@ class WsConfig:
     persistent: object = "auto"                          # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu);
                                                          # False, True or "auto" (for_head_dim)
 
-    def for_head_dim(self, D: int, mods: bool = False, short: bool = False, scores: bool | None = None) -> "WsConfig":
+    def for_head_dim(self, D: int, mods: bool = False, short: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
-        SDPA cuDNN non-causal), else 2; with `mods` (modifiers compiled in) 3 only for a mask modifier alone, not
-        with a score modifier (`scores`, ModKernel.scores; default: mods), several of which spill at 160
-        registers a thread. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the problem's
-        walks are `short` (short_walk: 2-6% faster there, 1-4% slower on longer ones); never with `mods`.
-        Ping-pong keeps two consumers and no persistent grid."""
+        SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
+        problem's walks are `short` (short_walk: 2-6% faster there, 1-4% slower on longer ones). Both keep the old
+        choice with ping-pong (two warpgroups, its own schedule) or `mods` (score / mask modifiers compiled in: a
+        soft-cap's text spills at 160 registers a thread)."""
         if self.consumers != "auto" and self.persistent != "auto":
             return self
-        return _resolve(self, D, bool(mods), short, bool(mods) if scores is None else bool(scores))
+        return _resolve(self, D, mods, short)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -125,17 +123,17 @@ class WsConfig:
         with one consumer the 255 that two warpgroups of one block per SM allow."""
         return {1: 255, 2: 240, 3: 160}[self._n()]
 
-    def forward_name(self, dtype: str, D: int, dropout: bool, mods: bool = False, scores: bool | None = None) -> str:
-        c = self.for_head_dim(D, mods, scores=scores)
+    def forward_name(self, dtype: str, D: int, dropout: bool, mods: bool = False) -> str:
+        c = self.for_head_dim(D, mods)
         return (f"fa3_ws_forward<{CTYPE[dtype]}, {D}, {c.bc(D)}, {c.consumers}, {c.stages}, "
                 f"{'true' if self.overlap else 'false'}, {'true' if self.pingpong else 'false'}, "
                 f"{'true' if c.persistent else 'false'}, {c.philox_rounds}, "
                 f"{'true' if dropout else 'false'}>")
 
-    def forward_smem(self, D: int, dropout: bool = False, mods: bool = False, scores: bool | None = None) -> int:
+    def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
         """Q (two buffers when persistent), the STAGES K and V slots, the mbarriers (Q full / empty per buffer,
         four per slot), the two item slots, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
-        c = self.for_head_dim(D, mods, scores=scores)
+        c = self.for_head_dim(D, mods)
         qbufs = 2 if c.persistent else 1
         return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 8
                 + 1024)
@@ -144,11 +142,10 @@ class WsConfig:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
         the one switch it names."""
         drops = (False, True) if mods is None else (mods.dropout,)
-        scores = mods is not None and mods.scores
-        names = tuple(self.forward_name(dtype, D, drop, mods is not None, scores) for drop in drops)
+        names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
-                           {n: self.forward_smem(D, mods=mods is not None, scores=scores) for n in names},
+                           {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{mods.label if mods else ''}]",
                            archs=ARCHS)
@@ -179,7 +176,7 @@ class FA3WarpSpecialized(FA3Wgmma):
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
 
     # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, consumers,
-    # stages), "auto" being Bc = 128 at D <= 128 and, for consumers, 3 at D = 64 without a score modifier, else 2
+    # stages), "auto" being Bc = 128 at D <= 128 and, for consumers, 3 at D = 64 without modifiers, else 2
     # (WsConfig.for_head_dim); consumers=2 (the former default) and stages=3 compiled clean too at D <= 128 but
     # are left to compile on first use (the CI gate's time budget)
     TUNED = {("auto", "auto", 2)}
@@ -208,8 +205,7 @@ class FA3WarpSpecialized(FA3Wgmma):
     def _resolved(self, p, config):
         D = d_pad(p.d)
         short = D == AUTO_CONSUMERS_D and config.persistent == "auto" and short_walk(p.Nq, p.Nk, p.causal, p.window)
-        sm = p.score_mod        # ModKernel.scores without building the module: text, a distance bias or sinks
-        return config.for_head_dim(D, has_mods(p), short, sm is not None and (not sm.is_identity or sm.sink is not None))
+        return config.for_head_dim(D, has_mods(p), short)
 
     def check(self, problem, config, direction):
         super().check(problem, self._resolved(problem, config), direction)
@@ -295,8 +291,7 @@ PARAMS = (
     Param("block_c", ("auto", 64, 80, 112, 128), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's wgmma); auto: "
           "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
     Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
-          "one more warpgroup produces; auto: 3 at d <= 64 without ping-pong or a score modifier (a mask "
-          "modifier alone keeps 3), else 2 "
+          "one more warpgroup produces; auto: 3 at d <= 64 without modifiers or ping-pong, else 2 "
           "(WsConfig.for_head_dim)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
