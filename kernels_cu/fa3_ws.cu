@@ -32,7 +32,11 @@
 //       ~25 us), +8-15% causal at N = 2k (half the tiles per item on average), within 2% at N = 16k.
 //       Measured (bench/results/h100/2026-11-26-session-8.md, same run as the default grid): d = 128 +6% / +8%
 //       at N = 2k (non-causal / causal), 0 to +1% at 16k; d = 64 +3% / +6% at 2k but 3-4% slower from N = 8k
-//       (not explained), so the host's persistent="auto" turns it on at D = 128 only.
+//       (not explained), so the host's persistent="auto" turned it on at D = 128 only; since session 9 also at D = 64
+//       where a query row sees at most 3k keys on average (2026-11-26-session-9.md: +6% causal at N = 2k).
+//       Tried and reverted (session 9): each consumer warpgroup walking only the tiles of its own rows' band (the
+//       others' ring turns drained), predicted +8-12% causal at d = 64, N = 2k: measured +1%, and the non-causal
+//       forward 5-7% slower (the drain loops around the main loop); the block's time follows its last warpgroup.
 //   Tensor maps (variants/fa3_ws.py): 4-D (d, N, H, B) with the caller's strides, box 64 x rows, the
 //   128-byte swizzle: each box lands as one [rows][64] panel of hopper.cuh's layout. Rows past N and
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
