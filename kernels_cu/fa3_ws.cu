@@ -42,6 +42,12 @@
 //   columns past d come back as zeros (TMA's out-of-bounds fill), so any Nq, Nk and d <= D work.
 // Masks, dropout, GQA, dead rows: as fa2_tc.cu (the host's tile table and band bound the tile loop of
 // producer and consumers alike; the element predicate runs in partial tiles).
+// Bottom-aligned Q tiles (row_shift, variants/fa3_ws.py row_shift): where a band bounds a row's keys from above
+// (causal), Q tile t starts at row t BR - row_shift, so that the one partial tile is the first (rows < 0: TMA's
+// zero fill, masked by the band, never written) and not the last, whose walk is the longest: Br = 192 at N = 2k
+// causal leaves a third of the last tile's rows empty for all 16 of its key tiles. Not with a block-sparse layout
+// or modifiers (their lookups index rows; the host passes 0 there). Predicted (H100, d = 64, causal, fa3):
+// +4-5% at N = 2k-4k (5.2% / 5.8% less tile work), ~+1% at 8k-16k, nothing non-causal (shift 0).
 // Score and mask modifiers (issue 18): as fa2_tc.cu, compiled in by tc_mods.cuh's -D switches (without
 // them MOD_PARAMS is empty and the kernel is the one without modifiers): mod_scores where mask_scores ran
 // (the wgmma accumulator is mma.sync's C layout per warp: row row0 + wrow + g + 8 (e >= 2), column
@@ -86,6 +92,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                int* __restrict__ sched,                  // PERSIST: the item counter, zero at launch; else unread
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d, int BH,   // BH = B * Hq
+               int row_shift,                            // Q tile t: rows t BR - row_shift .. (0 <= row_shift < BR)
                float scale_log2,                         // to log2 units, > 0: |scale| log2 e (tc_mods.cuh: modifiers)
                MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
     constexpr int BR = NC * 64, NT = BC / 8, ND = D / 8;
@@ -122,7 +129,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         Item x;
         x.tr = PERSIST ? nTr - 1 - w % nTr : gridDim.x - 1 - blockIdx.x;
         x.bh = PERSIST ? w / nTr : blockIdx.y;
-        x.b = x.bh / Hq, x.h = x.bh % Hq, x.hk = x.h / group, x.row0 = x.tr * BR;
+        x.b = x.bh / Hq, x.h = x.bh % Hq, x.hk = x.h / group, x.row0 = x.tr * BR - row_shift;
 #ifdef FA_MODS
         x.walk.cls = tiles + (mod_tile_index(mod_tile_b, tile_heads, x.b, x.h) * nTr + x.tr) * nTc;
 #else

@@ -273,7 +273,7 @@ __device__ __forceinline__ void write_output(const float (&o)[MT][ND][4], const 
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             const int i = row_base + mt * 16 + g + 8 * hr;
-            if (i >= Nq) continue;
+            if (i < 0 || i >= Nq) continue;            // rows < 0: fa3_ws.cu's bottom-aligned first tile
             const float inv = sum == 0.0f ? 0.0f : 1.0f / sum;   // NaN is not a dead row: only an exactly zero sum is
             T* orow = O + ((long long)bh * Nq + i) * d;
 #pragma unroll

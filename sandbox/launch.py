@@ -45,11 +45,13 @@ def _layout_key(bm) -> tuple | None:
     return bm.block, bm.layout.shape, hashlib.blake2b(np.packbits(bm.layout).tobytes(), digest_size=16).digest()
 
 
-def tile_table(problem: Problem, block_r: int, block_c: int, xp) -> tuple:
-    """(device int8 [Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes, i32(Hm)) for a kernel's tiles."""
+def tile_table(problem: Problem, block_r: int, block_c: int, xp, row_shift: int = 0) -> tuple:
+    """(device int8 [Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes, i32(Hm)) for a kernel's tiles (Q tiles
+    bottom-aligned by `row_shift` rows: masks.classify_tiles)."""
     p = problem
-    key = ("tiles", p.Nq, p.Nk, block_r, block_c, p.band.lo, p.band.hi, _layout_key(p.block_mask))
-    t = _cached(key, lambda: xp.asarray(classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)), xp)
+    key = ("tiles", p.Nq, p.Nk, block_r, block_c, p.band.lo, p.band.hi, _layout_key(p.block_mask), row_shift)
+    t = _cached(key, lambda: xp.asarray(classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask,
+                                                       row_shift)), xp)
     return t, i32(t.shape[0])
 
 

@@ -127,11 +127,15 @@ def _band_classes(band: Band, r0, r1, c0, c1):
 
 
 def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
-                   block_mask: BlockSparse | None = None) -> np.ndarray:
-    """int8 [Hm, ceil(Nq/Br), ceil(Nk/Bc)] of TILE_EMPTY / TILE_FULL / TILE_PARTIAL (exact)."""
+                   block_mask: BlockSparse | None = None, row_shift: int = 0) -> np.ndarray:
+    """int8 [Hm, ceil(Nq/Br), ceil(Nk/Bc)] of TILE_EMPTY / TILE_FULL / TILE_PARTIAL (exact). `row_shift`
+    (0 <= row_shift < Br, band alone): Q tile t covers rows [t Br - row_shift, (t + 1) Br - row_shift) within
+    [0, Nq), so that a partial tile is the first (bottom-aligned tiles, fa3_ws.cu's row_shift)."""
+    if row_shift and (block_mask is not None or not 0 <= row_shift < block_r):
+        raise ValueError(f"row_shift {row_shift}: 0 <= row_shift < block_r ({block_r}), and a band alone")
     nr, nc = -(-Nq // block_r), -(-Nk // block_c)
-    r0 = (np.arange(nr) * block_r)[:, None]
-    r1 = np.minimum(r0 + block_r, Nq)
+    r0 = np.maximum(0, np.arange(nr) * block_r - row_shift)[:, None]
+    r1 = np.minimum(np.arange(nr) * block_r - row_shift + block_r, Nq)[:, None]
     c0 = (np.arange(nc) * block_c)[None, :]
     c1 = np.minimum(c0 + block_c, Nk)
     band_empty, band_full = _band_classes(band, r0, r1, c0, c1)

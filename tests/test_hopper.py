@@ -188,6 +188,45 @@ def test_auto_persistent_at_d64_follows_the_walk_length():
         assert resolved(16384, True, window=(512, 0)).persistent
 
 
+@pytest.mark.parametrize("Nq, Nk, br, bc, causal, window", [(500, 500, 192, 128, True, None), (70, 300, 192, 64, True, None),
+                                                           (333, 90, 128, 128, False, (50, 10)), (1, 1, 192, 128, True, None),
+                                                           (1000, 1000, 192, 112, False, (None, -30))])
+def test_bottom_aligned_tile_classes_are_exact(Nq, Nk, br, bc, causal, window):
+    """masks.classify_tiles with row_shift (fa3_ws.cu's bottom-aligned Q tiles): each tile's class from the element
+    mask of its rows [t Br - shift, (t + 1) Br - shift) within [0, Nq)."""
+    from sandbox.masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, classify_tiles
+    band = Band.from_options(Nq, Nk, causal, window)
+    shift = -Nq % br
+    got = classify_tiles(Nq, Nk, br, bc, band, None, shift)[0]
+    vis = band.element_mask(Nq, Nk)
+    assert got.shape == (-(-Nq // br), -(-Nk // bc))
+    for t in range(got.shape[0]):
+        rows = vis[max(0, t * br - shift):t * br - shift + br]
+        assert len(rows) == (br if t else br - shift) or t == got.shape[0] - 1
+        for c in range(got.shape[1]):
+            block = rows[:, c * bc:(c + 1) * bc]
+            want = TILE_EMPTY if not block.any() else TILE_FULL if block.all() else TILE_PARTIAL
+            assert got[t, c] == want, (t, c)
+    with pytest.raises(ValueError, match="row_shift"):
+        classify_tiles(Nq, Nk, br, bc, band, None, br)
+
+
+def test_row_shift_only_where_a_band_bounds_the_keys_from_above():
+    """variants/fa3_ws.row_shift: -Nq mod Br for causal or a right-bounded window, 0 non-causal, with a left bound
+    alone, a block-sparse layout or modifiers (whose lookups index rows >= 0)."""
+    from sandbox import modifiers
+    from sandbox.masks import BlockSparse
+    from sandbox.problem import Problem
+    from variants.fa3_ws import row_shift
+    P = lambda **kw: Problem(1, 2, 2, 500, 500, 64, "float16", **kw)      # noqa: E731
+    assert row_shift(P(causal=True), 192) == 76 and row_shift(P(causal=True), 128) == 12
+    assert row_shift(P(window=(None, 5)), 192) == 76 and row_shift(P(causal=True), 100) == 0
+    assert row_shift(P(), 192) == 0 and row_shift(P(window=(5, None)), 192) == 0
+    assert row_shift(P(causal=True, block_mask=BlockSparse(np.ones((1, 2, 2), bool), (250, 250))), 192) == 0
+    assert row_shift(P(causal=True, score_mod=modifiers.softcap(5.0)), 192) == 0
+    assert row_shift(P(causal=True, mask_mod=modifiers.document(np.arange(500) // 100)), 192) == 0
+
+
 def test_persistent_grid_and_shared_memory():
     """persistent=True: at most one block per SM walking every (Q tile, batch, head) item, two Q buffers (D <= 128),
     refused with ping-pong or past D = 128 before any launch; the template switch is in the kernel's name."""
@@ -391,6 +430,30 @@ def test_persistent_blocks_walk_every_item(monkeypatch, name, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["fa3", "fa3-ws"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bottom_aligned_q_tiles_match_oracle(name, dtype):
+    """Causal and right-bounded windows start the Q tiles row_shift rows above row 0 (the partial tile first):
+    ragged Nq at Br = 192 (d = 64) and 128 (d = 128), Nk above and below Nq, GQA, dropout, the persistent grid
+    and the default one, forward and (through the forward's lse) backward, against the oracle."""
+    import variants.fa3_ws as ws
+    from sandbox import fuzz
+    cases = [(fuzz.Case(2, 4, 2, 500, 500, 64, dtype, {"causal": True}, 1), {}),
+             (fuzz.Case(1, 4, 1, 333, 700, 64, dtype, {"causal": True, "dropout_p": 0.2, "seed": 3}, 2), {}),
+             (fuzz.Case(1, 2, 2, 700, 260, 64, dtype, {"causal": True}, 3), {"persistent": False}),
+             (fuzz.Case(1, 2, 1, 450, 450, 128, dtype, {"window": (None, 20)}, 4), {}),
+             (fuzz.Case(2, 2, 2, 70, 90, 128, dtype, {"causal": True}, 5), {"persistent": False}),
+             (fuzz.Case(1, 4, 2, 257, 257, 64, dtype, {"window": (64, 0)}, 6), {})]
+    for case, params in cases:
+        bound = sandbox.get_variant(name, **params)
+        p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
+        cfg = bound.variant.impl._resolved(p, bound.config)
+        assert ws.row_shift(p, cfg.block_r) > 0, case
+        fuzz.assert_case(bound, case, "forward")
+    fuzz.assert_case(sandbox.get_variant(name), cases[0][0], "backward")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
     """sandbox.torch.attention with persistent=True (the plan path: the item counter is a buffer torch zeroes per
@@ -402,7 +465,7 @@ def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
     monkeypatch.setattr(ws, "sm_count", lambda: 5)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-    ref = st.attention(q, k, v, variant="fa3", causal=causal)
+    ref = st.attention(q, k, v, variant="fa3", causal=causal, persistent=False)
     for _ in range(2):
         out = st.attention(q, k, v, variant="fa3", causal=causal, persistent=True)
         assert torch.equal(out, ref)

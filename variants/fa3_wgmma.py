@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from sandbox import arrays, modifiers
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, arch, has_gpu
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
+from sandbox.masks import classify_tiles
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
@@ -128,17 +129,21 @@ def modifier_errors(p, config, direction) -> list[str]:
     return errs
 
 
-def forward_tiles(p, config, D, mods, xp) -> tuple:
+def forward_tiles(p, config, D, mods, xp, row_shift: int = 0) -> tuple:
     """(tile table, tile_heads, MOD_PARAMS arguments) of the forward: without modifiers the usual table
     and nothing more; with them the table with the mask modifier's classes folded in (batch axis) and
     modifier_args. xp None: host arrays (the argument-packing tests run without a GPU). A config whose tile
-    depends on the head dim (fa3-ws consumers="auto") is resolved at D first."""
+    depends on the head dim (fa3-ws consumers="auto") is resolved at D first. `row_shift`: bottom-aligned Q
+    tiles (fa3_ws.cu; without modifiers only)."""
     if hasattr(config, "for_head_dim"):
         config = config.for_head_dim(D, mods is not None)
     if mods is None:
-        table = tile_table(p, config.block_r, config.bc(D), xp) if xp is not None else \
-            modifier_tiles(p, config.block_r, config.bc(D))[:2]
-        return (*table, ())
+        if xp is not None:
+            return (*tile_table(p, config.block_r, config.bc(D), xp, row_shift), ())
+        t = classify_tiles(p.Nq, p.Nk, config.block_r, config.bc(D), p.band, p.block_mask, row_shift)
+        return t, i32(t.shape[0]), ()
+    if row_shift:
+        raise ValueError("row_shift: the tile tables of modifiers are top-aligned")
     tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D), xp)
     return tiles, tile_heads, modifier_args(p, tile_b, xp, forward=True)
 
