@@ -47,7 +47,9 @@
 // zero fill, masked by the band, never written) and not the last, whose walk is the longest: Br = 192 at N = 2k
 // causal leaves a third of the last tile's rows empty for all 16 of its key tiles. Not with a block-sparse layout
 // or modifiers (their lookups index rows; the host passes 0 there). Predicted (H100, d = 64, causal, fa3):
-// +4-5% at N = 2k-4k (5.2% / 5.8% less tile work), ~+1% at 8k-16k, nothing non-causal (shift 0).
+// +4-5% at N = 2k-4k (5.2% / 5.8% less tile work), ~+1% at 8k-16k, nothing non-causal (shift 0). Measured
+// (2026-11-26-session-9.md, same call): fa3 +6.3% / +8.3% / +0.8% / +1.1% at N = 2k / 4k / 8k / 16k, fa3-ws
+// +3.4% / +6.8% / +0.2% / +1.6%: 0.91-0.99x SDPA cuDNN causal, was 0.85-0.98x.
 // Score and mask modifiers (issue 18): as fa2_tc.cu, compiled in by tc_mods.cuh's -D switches (without
 // them MOD_PARAMS is empty and the kernel is the one without modifiers): mod_scores where mask_scores ran
 // (the wgmma accumulator is mma.sync's C layout per warp: row row0 + wrow + g + 8 (e >= 2), column
