@@ -44,7 +44,8 @@
 // producer and consumers alike; the element predicate runs in partial tiles).
 // Bottom-aligned Q tiles (row_shift, variants/fa3_ws.py row_shift): where a band bounds a row's keys from above
 // (causal), Q tile t starts at row t BR - row_shift, so that the one partial tile is the first (rows < 0: TMA's
-// zero fill, masked by the band, never written) and not the last, whose walk is the longest: Br = 192 at N = 2k
+// zero fill, computed on zero Q where the band lets them see keys, never written) and not the last, whose walk
+// is the longest: Br = 192 at N = 2k
 // causal leaves a third of the last tile's rows empty for all 16 of its key tiles. Not with a block-sparse layout
 // or modifiers (their lookups index rows; the host passes 0 there). Predicted (H100, d = 64, causal, fa3):
 // +4-5% at N = 2k-4k (5.2% / 5.8% less tile work), ~+1% at 8k-16k, nothing non-causal (shift 0). Measured

@@ -251,6 +251,9 @@ class FA3Wgmma(FA2TensorCore):
         """The forward units of `config`; the backward's with the default config (fa2-tc's kernels, which
         also hold the wgmma backward's preprocessing) and with bwd_kernel="wgmma" (fa3_bwd.cu)."""
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS if not config.envelope_errors(D)]
+        if getattr(config, "persistent", None) == "auto":     # fa3-ws / fa3: D = 64's persistent default (short walks)
+            units += [u for u in (config.for_head_dim(64, short=True).unit(dt, 64) for dt in CAPS.dtypes)
+                      if u not in units]
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS
                       if not config.bwd.backward_errors(D)]

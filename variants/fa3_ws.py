@@ -58,10 +58,19 @@ SHORT_KEYS = 3072          # ... and at D = 64 where a query row sees at most th
 def short_walk(Nq: int, Nk: int, causal: bool, window) -> bool:
     """Whether a query row of this shape sees at most SHORT_KEYS keys on average (causal and window counted;
     block-sparse layouts and mask modifiers are not): the Q tiles' walks are short, so that the persistent
-    grid's overlap of one item's start with the last one's end pays at D = 64 (H100, session 9: +2.5% non-causal
-    and +6% causal at N = 2k, +2% causal at 4k; 1-4% slower from 4k non-causal and 8k causal)."""
+    grid's overlap of one item's start with the last one's end pays at D = 64 (H100, session 9: +1-3% non-causal
+    and +6% causal at N = 2k, +1-2% causal at 4k; 1-4% slower on the longer walks of 4k-16k non-causal and 8k-16k
+    causal, session 9 call 2)."""
     band = Band.from_options(Nq, Nk, causal, window)
     return mean_visible_keys(Nq, Nk, band.lo, band.hi) <= SHORT_KEYS
+
+
+def _fills_the_gpu(p) -> bool:
+    """Whether problem p has more Q tiles (at D = 64's Br = 192) than the GPU has SMs (True without a GPU): below,
+    a persistent grid has nothing to balance and each call would only pay for zeroing its item counter (host
+    time per call at B = 1, N = 128: 40 -> 57 us from torch in session 9's `bench host`)."""
+    sms = sm_count()
+    return sms is None or -(-p.Nq // 192) * p.B * p.Hq > sms
 
 
 def row_shift(p, block_r: int) -> int:
@@ -216,7 +225,8 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def _resolved(self, p, config):
         D = d_pad(p.d)
-        short = D == AUTO_CONSUMERS_D and config.persistent == "auto" and short_walk(p.Nq, p.Nk, p.causal, p.window)
+        short = (D == AUTO_CONSUMERS_D and config.persistent == "auto" and short_walk(p.Nq, p.Nk, p.causal, p.window)
+                 and _fills_the_gpu(p))
         return config.for_head_dim(D, has_mods(p), short)
 
     def check(self, problem, config, direction):
