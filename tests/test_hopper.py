@@ -475,3 +475,44 @@ def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
     for _ in range(2):
         out = st.attention(q, k, v, variant="fa3", causal=causal, persistent=True)
         assert torch.equal(out, ref)
+
+
+def _c_params(text: str, kernel: str) -> list[str]:
+    """The C parameter types of `kernel`'s definition in `text`, MASK_PARAMS and DROPOUT_PARAMS expanded from
+    common.cuh, MOD_PARAMS empty (the module without modifiers), const, __grid_constant__ and __restrict__ dropped."""
+    import re
+    common = loader.source_text("common.cuh").replace("\\\n", " ")
+    sig = re.search(kernel + r"\((.*?)\)\s*\{", re.sub(r"//[^\n]*", "", text), re.S).group(1)
+    for macro in ("MASK_PARAMS", "DROPOUT_PARAMS"):
+        sig = sig.replace(macro, re.search(rf"#define {macro} ([^\n]*)", common).group(1))
+    sig = sig.replace("MOD_PARAMS", "")
+    out = []
+    for decl in (x.strip() for x in sig.split(",")):
+        if decl:
+            decl = re.sub(r"\b(const|__grid_constant__|__restrict__)\b", "", decl)
+            out.append(" ".join(re.sub(r"\w+$", "", decl.strip()).split()).replace(" *", "*"))
+    return out
+
+
+def test_forward_arguments_follow_the_kernel_signature():
+    """fa3_ws_forward's arguments as the host packs them (launch and the torch plan path share _arguments, then
+    the dropout arguments) against its parameter list in kernels_cu/fa3_ws.cu, type by type: a parameter added,
+    dropped or moved past one of another type on one side only fails here, without a GPU."""
+    from types import SimpleNamespace
+    from sandbox.launch import dropout_args
+    from sandbox.problem import Problem
+    xp = SimpleNamespace(asarray=np.asarray, zeros=np.zeros, uint8=np.uint8,
+                         cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=-1)))
+    want = _c_params(loader.source_text("fa3_ws.cu"), "fa3_ws_forward")
+    c_of = {np.int32: "int", np.float32: "float", np.uint32: "unsigned", np.uint64: "unsigned long long"}
+    ptr_of = {"float16": "T*", "float32": "float*", "int32": "int*", "int8": "signed char*", "uint8": "unsigned char*"}
+    for causal in (False, True):
+        p = Problem(2, 4, 2, 500, 300, 64, "float16", causal=causal, dropout_p=0.1)
+        bound = sandbox.get_variant("fa3")
+        cfg = bound.variant.impl._resolved(p, bound.config)
+        maps = tuple(SimpleNamespace(kind="TmaDesc") for _ in range(3))
+        out, lse = np.empty((2, 4, 500, 64), np.float16), np.empty((2, 4, 500), np.float32)
+        _, args, _, _, rest = bound.variant.impl._arguments(p, cfg, maps, out, lse, np.zeros(1, np.int32), xp)
+        got = [a.kind if isinstance(a, SimpleNamespace) else ptr_of[str(a.dtype)] if isinstance(a, np.ndarray)
+               else c_of[type(a)] for a in (*args, *dropout_args(p), *rest)]
+        assert got == want
