@@ -70,7 +70,7 @@ def _fills_the_gpu(p) -> bool:
     a persistent grid has nothing to balance and each call would only pay for zeroing its item counter (host
     time per call at B = 1, N = 128: 40 -> 57 us from torch in session 9's `bench host`)."""
     sms = sm_count()
-    return sms is None or -(-p.Nq // 192) * p.B * p.Hq > sms
+    return sms is None or -(-p.Nq // (64 * 3)) * p.B * p.Hq > sms
 
 
 def row_shift(p, block_r: int) -> int:
@@ -115,7 +115,7 @@ class WsConfig:
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
-        problem's walks are `short` (short_walk: 2-6% faster there, 1-4% slower on longer ones). Both keep the old
+        problem's walks are `short` (short_walk: 1-6% faster there, 1-4% slower on longer ones). Both keep the old
         choice with ping-pong (two warpgroups, its own schedule) or `mods` (score / mask modifiers compiled in: a
         soft-cap's text spills at 160 registers a thread)."""
         if self.consumers != "auto" and self.persistent != "auto":
@@ -322,7 +322,7 @@ PARAMS = (
           "counter, with two Q buffers: the next item's Q and K / V load under this one's last GEMMs and epilogue "
           "(FA3 Sec. 3.1's persistent kernel and tile scheduler; d <= 128, no ping-pong); auto: on at 64 < d <= 128 "
           "without modifiers (measured 0-8% faster there), at d <= 64 where a query row sees at most 3k keys on "
-          "average (2-6% faster there, 1-4% slower on longer rows)"),
+          "average and the Q tiles outnumber the SMs (1-6% faster there, 1-4% slower on longer rows)"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
