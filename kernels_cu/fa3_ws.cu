@@ -92,7 +92,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                const __grid_constant__ TmaDesc map_v,   // (d, Nk, Hkv, B), box (64, BC)
                T* __restrict__ O,                        // [B, Hq, Nq, d] contiguous
                float* __restrict__ LSE,                  // [B, Hq, Nq]
-               int* __restrict__ sched,                  // PERSIST: the item counter, zero at launch; else unread
+               unsigned* __restrict__ sched,             // PERSIST: the item counter, zero at launch and at exit; else unread
                const signed char* __restrict__ tiles,    // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                int tile_heads, int Hq, int group, int Nq, int Nk, int d, int BH,   // BH = B * Hq
                int row_shift,                            // Q tile t: rows t BR - row_shift .. (0 <= row_shift < BR)
@@ -142,7 +142,15 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         x.walk.first = next_live_tile(x.walk.cls, x.walk.first, x.walk.last);
         return x;
     };
-    auto next_item = [&]() { return atomicAdd(sched, 1) + (int)gridDim.x; };
+    // Every block whose first item exists makes exactly one failing claim, so a launch makes n_items claims
+    // (n_items - grid successful ones and grid failing ones; where the grid outnumbers the items, n_items
+    // failing ones). The claim that reads n_items - 1 is the last that touches the counter: it resets it, and
+    // the next launch on the stream finds it at zero without a memset (sandbox/stream_counters.py).
+    auto next_item = [&]() {
+        const unsigned c = atomicAdd(sched, 1u);
+        if (c == (unsigned)(n_items - 1)) atomicExch(sched, 0u);
+        return (int)c + (int)gridDim.x;
+    };
 
     if (threadIdx.x == 0) {
         for (int q = 0; q < 2; ++q) {

@@ -26,7 +26,7 @@ Two paths, the same semantics (tests/test_decode.py, tests/test_decode_gpu.py):
   device by one asynchronous copy from pinned memory on the caller's stream (no synchronisation;
   equal lengths go by value, so a contiguous call with equal lengths copies nothing); one launch:
   the last block of each sequence and row tile to finish merges the splits (arrival counters kept
-  zeroed per stream, `_counters`; SANDBOX_DECODE_FUSED=0 selects the old split kernel + merge
+  zeroed per stream, sandbox/stream_counters.py; SANDBOX_DECODE_FUSED=0 selects the old split kernel + merge
   kernel). Page sizes: powers of two (ValueError naming page_size otherwise); K/V rows 16-byte
   aligned (ValueError naming the cache otherwise). The number of splits follows from the SM count
   and the longest sequence (`plan_splits`); `num_splits` caps it.
@@ -46,7 +46,7 @@ import os
 
 import numpy as np
 
-from . import api, arrays, device, loader
+from . import api, arrays, device, loader, stream_counters
 from .masks import UNBOUNDED, Band
 from .problem import make_problem
 
@@ -296,46 +296,6 @@ def _upload_ints(host: np.ndarray, xp):
     return dev
 
 
-# The fused merge's arrival counters: one uint32 per (sequence, row tile) of a launch, zero between
-# launches (the last block of each tile resets its own), so no launch needs a memset. A buffer is
-# kept per (device, stream): launches on one stream run in order, so they never share a counter
-# while it counts; launches on two streams use two buffers. A stream being captured into a CUDA
-# graph gets a fresh zeroed buffer per call instead (the memset becomes part of the graph and the
-# graph's replays, wherever they run, share no counter with direct calls). A dropped buffer (grown,
-# or the least recently used of COUNTER_STREAMS streams) returns to the stream-ordered pool of the
-# stream it was allocated on (CuPy's pool, or torch's for torch callers), so no other stream reuses
-# it while a launch may still count in it.
-_COUNTERS: collections.OrderedDict = collections.OrderedDict()
-COUNTER_STREAMS = 64
-_CUDA_STREAM_PER_THREAD = 2           # cudaStreamPerThread: one handle, a different stream per host thread
-
-
-def _capturing(stream) -> bool:
-    if stream.ptr in (0, 1):          # the legacy stream cannot be captured
-        return False
-    try:
-        return bool(stream.is_capturing())
-    except Exception:                 # unknown: the always-correct fresh buffer
-        return True
-
-
-def _counters(xp, n: int):
-    """A device uint32 array of at least n zeros for one launch on the current stream."""
-    import threading
-    stream = xp.cuda.get_current_stream()
-    if _capturing(stream):
-        return xp.zeros(n, dtype=xp.uint32)
-    key = (xp.cuda.runtime.getDevice(), stream.ptr,
-           threading.get_ident() if stream.ptr == _CUDA_STREAM_PER_THREAD else None)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.size < n:
-        buf = _COUNTERS[key] = xp.zeros(max(n, 1024, 2 * (0 if buf is None else buf.size)), dtype=xp.uint32)
-    _COUNTERS.move_to_end(key)
-    while len(_COUNTERS) > COUNTER_STREAMS:
-        _COUNTERS.popitem(last=False)
-    return buf
-
-
 def _int_dummy(xp):
     from .launch import _cached
     return _cached(("decode-int-dummy",), lambda: xp.zeros(1, dtype=xp.int32), xp)
@@ -401,7 +361,7 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     else:
         o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
         lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
-        counters = _counters(xp, B * grid[1]) if fused else ints
+        counters = stream_counters.zeroed(xp, B * grid[1]) if fused else ints
     loader.launch(unit, name, grid, (WARPS * 32,),
                   (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], ints,
                    i32(-1 if uniform_len is None else uniform_len), i32(paged), table, i64(table_stride),

@@ -18,10 +18,12 @@ The key holds the option values and their types (`causal=1` must not hit a plan 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections import OrderedDict
 
-from . import arrays
+from . import arrays, stream_counters
+from .launch import COUNTERS
 
 _PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 512
@@ -31,7 +33,8 @@ _TORCH_DTYPES = {}
 def _torch_dtype(name: str):
     if not _TORCH_DTYPES:
         torch = sys.modules["torch"]
-        _TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32)
+        _TORCH_DTYPES.update(float32=torch.float32, float16=torch.float16, bfloat16=torch.bfloat16, int32=torch.int32,
+                              uint32=torch.int32)   # a counter's bits: torch's uint32 has few operations
     return _TORCH_DTYPES[name]
 
 
@@ -111,10 +114,13 @@ def _stream(device):
 def _run(launch, device, inputs: dict, seed, offset) -> dict:
     torch = sys.modules["torch"]
     stream = _stream(device)
-    bufs = {name: (torch.zeros if zeroed else torch.empty)(shape, dtype=_torch_dtype(dt), device=device)
-            for name, (shape, dt, zeroed) in launch.buffers.items()}
     ptr = {name: x.data_ptr() for name, x in inputs.items()}
-    for name, b in bufs.items():
+    bufs = {}
+    for name, (shape, dt, zeroed) in launch.buffers.items():
+        if zeroed == COUNTERS and not stream_counters._capturing(stream):
+            ptr[name] = stream_counters.zeroed(sys.modules["cupy"], math.prod(shape), stream).data.ptr
+            continue                  # kept per stream, not an output (a capture takes fresh zeros below)
+        b = bufs[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=_torch_dtype(dt), device=device)
         ptr[name] = b.data_ptr()
     launch.run(ptr, seed, offset, stream)
     return bufs

@@ -78,12 +78,18 @@ def strides4(x) -> tuple:
     return tuple(i64(s) for s in arrays.element_strides(x))
 
 
+COUNTERS = "stream-counters"     # a LaunchPlan buffer kept per stream and left at zero by its launches
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """A variant's launches for one problem and stride layout, resolved once (sandbox/fastpath.py).
 
     buffers: name -> (shape, dtype name, zeroed): the arrays the caller allocates per call, on its
              own allocator and stream, beside the inputs (forward: out, lse; backward: D, dq, dk, dv).
+             zeroed: False (uninitialised), True (zeros), or COUNTERS: zeros that the launch leaves
+             at zero, the stream's kept buffer of sandbox/stream_counters.py (no allocation, no
+             memset; fresh zeros while the stream is being captured into a graph).
     run(pointers, seed, offset, stream): launch on `stream` (a CuPy stream object) with `pointers`
              mapping every input and buffer name to a device address.
     keep:    device arrays the launches read (tile tables), held for the plan's lifetime.

@@ -314,62 +314,6 @@ def test_device_ints_make_at_most_one_upload():
     assert lens is None and uni == 64 and len(calls) == 1 and table.shape == (2, 3)
 
 
-def _fake_cupy(streams):
-    """Enough of CuPy for decode._counters: the current stream (ptr, is_capturing), the device and
-    zeros (recorded)."""
-    from types import SimpleNamespace
-    made = []
-
-    def zeros(n, dtype):
-        made.append(n)
-        return np.zeros(n, dtype)
-    cuda = SimpleNamespace(get_current_stream=lambda: streams[0], runtime=SimpleNamespace(getDevice=lambda: 0))
-    return SimpleNamespace(uint32=np.uint32, zeros=zeros, cuda=cuda), made
-
-
-class _Stream:
-    def __init__(self, ptr, capturing=False):
-        self.ptr, self.capturing = ptr, capturing
-
-    def is_capturing(self):
-        if self.capturing is None:
-            raise RuntimeError("cannot tell")
-        return self.capturing
-
-
-def test_counters_per_stream_grown_and_fresh_under_capture(monkeypatch):
-    """One zeroed buffer per (device, stream), reused by later launches on that stream and grown when
-    a launch has more tiles; another stream gets its own; a capturing stream (or one whose state
-    cannot be read) gets a fresh zeroed buffer per call, kept nowhere; at most COUNTER_STREAMS kept."""
-    import collections
-    import threading
-    monkeypatch.setattr(decode, "_COUNTERS", collections.OrderedDict())
-    cur = [_Stream(1000)]
-    xp, made = _fake_cupy(cur)
-    a = decode._counters(xp, 10)
-    assert decode._counters(xp, 500) is a and a.size >= 1024 and made == [1024] and a.dtype == np.uint32
-    big = decode._counters(xp, 3000)
-    assert big is not a and big.size >= 3000 and decode._counters(xp, 3000) is big
-    cur[0] = _Stream(2000)
-    assert decode._counters(xp, 10) is not big
-    for state in (True, None):
-        cur[0] = _Stream(3000, capturing=state)
-        n = len(decode._COUNTERS)
-        assert decode._counters(xp, 10) is not decode._counters(xp, 10) and len(decode._COUNTERS) == n
-    cur[0] = _Stream(0, capturing=None)                 # the legacy stream: never queried, never capturing
-    assert decode._counters(xp, 10) is decode._counters(xp, 10)
-    cur[0] = _Stream(decode._CUDA_STREAM_PER_THREAD)     # one handle, a stream per host thread
-    mine, theirs = decode._counters(xp, 10), []
-    t = threading.Thread(target=lambda: theirs.append(decode._counters(xp, 10)))
-    t.start()
-    t.join()
-    assert theirs[0] is not mine and decode._counters(xp, 10) is mine
-    for ptr in range(decode.COUNTER_STREAMS + 5):
-        cur[0] = _Stream(10_000 + ptr)
-        decode._counters(xp, 4)
-    assert len(decode._COUNTERS) == decode.COUNTER_STREAMS
-
-
 def _transpose_reduce(v, nv, m, lane):
     """NumPy model of decode_splitkv.cu's transpose_reduce over the lanes of one warp (v: list of
     per-lane arrays of 32)."""

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sandbox import decode
+from sandbox import decode, stream_counters
 from sandbox.precision import numpy_dtype
 
 pytestmark = pytest.mark.gpu
@@ -206,10 +206,6 @@ def test_device_refusals_leave_the_cache_untouched():
 
 # ---- the fused merge (one launch): arrival counters reused across calls, streams and graphs
 
-def _stream_counters(stream):
-    return [buf for (_, ptr, _), buf in decode._COUNTERS.items() if ptr == stream.ptr]
-
-
 def test_back_to_back_calls_reuse_the_counters():
     """Calls queued back to back on one stream share its counter buffer: each launch's last blocks
     leave it zeroed for the next (other inputs, split counts and tiles, a batch whose tiles outgrow the
@@ -234,7 +230,7 @@ def test_back_to_back_calls_reuse_the_counters():
     s.synchronize()
     for (c, _), m, (out, lse) in zip(cases, made, results):
         _check(out.get(), lse.get(), m[0], m[6], m[7], c[6], c[7], c[5], c[10], c[11])
-    bufs = _stream_counters(s)
+    bufs = stream_counters.of_stream(s)
     assert len(bufs) == 1 and bufs[0].size >= 40 * 32, "one buffer per stream, grown to the largest launch"
     assert not bool(bufs[0].any()), "the stream's counters must be zero between launches"
 
@@ -269,7 +265,7 @@ def test_calls_on_two_streams_use_two_counter_buffers():
         s.synchronize()
     for (i, case, m, _), (out, lse) in zip(calls, outs):
         _check(out.get(), lse.get(), m[0], m[6], m[7], case[6], 0, "float16", True, None)
-    bufs = [_stream_counters(s) for s in streams]
+    bufs = [stream_counters.of_stream(s) for s in streams]
     assert all(len(b) == 1 for b in bufs) and bufs[0][0].data.ptr != bufs[1][0].data.ptr
     assert not any(bool(b[0].any()) for b in bufs)
     assert all(busy), "the calls waited for the GPU (a synchronisation inside the call)"

@@ -462,9 +462,9 @@ def test_bottom_aligned_q_tiles_match_oracle(name, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
-    """sandbox.torch.attention with persistent=True (the plan path: the item counter is a buffer torch zeroes per
-    call) equals the default grid's output bit for bit on the same inputs, called twice (the counter starts at
-    zero each call), with the grid capped at five blocks."""
+    """sandbox.torch.attention with persistent=True (the plan path: the item counter is the stream's kept buffer,
+    which the kernel's last claim resets) equals the default grid's output bit for bit on the same inputs, called
+    twice (the second call finds the counter at zero), with the grid capped at five blocks."""
     torch = pytest.importorskip("torch")
     import sandbox.torch as st
     import variants.fa3_ws as ws
@@ -476,6 +476,66 @@ def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
         out = st.attention(q, k, v, variant="fa3", causal=causal, persistent=True)
         assert torch.equal(out, ref)
 
+
+
+@pytest.mark.gpu
+def test_persistent_calls_queued_back_to_back_leave_the_counter_at_zero(monkeypatch):
+    """Persistent forwards queued on one non-blocking stream with no synchronisation between them (grids of
+    3 and 5 blocks, one item to many, d = 64 and 128, fp16 and bf16, dropout): each
+    launch starts where the last left the stream's item counter, so a counter not reset by the last claim would
+    skip the next launch's items. Every output equals the plain grid's bit for bit (as in the torch test below)
+    and the counter is zero afterwards."""
+    import cupy as cp
+    import variants.fa3_ws as ws
+    from sandbox import fuzz, stream_counters
+    cases = [(3, fuzz.Case(2, 4, 2, 500, 500, 64, "float16", {"causal": True}, 11)),
+             (5, fuzz.Case(1, 1, 1, 64, 300, 128, "bfloat16", {}, 12)),            # 1 item, a grid of 1
+             (3, fuzz.Case(1, 4, 2, 700, 260, 128, "float16", {"causal": True}, 13)),
+             (5, fuzz.Case(2, 2, 2, 130, 130, 64, "bfloat16", {"dropout_p": 0.2, "seed": 9}, 14))]
+    bound = sandbox.get_variant("fa3", persistent=True)
+    dev = [tuple(cp.asarray(x) for x in case.inputs()[:3]) for _, case in cases]
+    cp.cuda.Device().synchronize()
+    s = cp.cuda.Stream(non_blocking=True)
+    outs = []
+    with s:
+        for (sms, case), (q, k, v) in zip(cases, dev):
+            monkeypatch.setattr(ws, "sm_count", lambda sms=sms: sms)
+            outs.append(sandbox.forward(q, k, v, variant=bound, **case.options))
+    s.synchronize()
+    bufs = stream_counters.of_stream(s)
+    assert len(bufs) == 1 and not bool(bufs[0].any()), "the stream's item counter must be zero between launches"
+    plain = sandbox.get_variant("fa3", persistent=False)
+    for (_, case), (q, k, v), res in zip(cases, dev, outs):
+        ref = sandbox.forward(q, k, v, variant=plain, **case.options)
+        assert bool(cp.array_equal(res.out, ref.out)) and bool(cp.array_equal(res.lse, ref.lse, equal_nan=True)), case
+
+
+@pytest.mark.gpu
+def test_persistent_forward_in_a_torch_cuda_graph(monkeypatch):
+    """A persistent forward from torch captured into a CUDA graph (the capture takes fresh zeros for its counter,
+    which its launch leaves at zero for the next replay) and replayed three times with new inputs: each replay
+    equals a direct call with persistent=False on the same inputs."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    import variants.fa3_ws as ws
+    monkeypatch.setattr(ws, "sm_count", lambda: 4)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    static = [torch.randn(2, 4, 400, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            st.attention(*static, variant="fa3", causal=True, persistent=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = st.attention(*static, variant="fa3", causal=True, persistent=True)
+    for _ in range(3):
+        for x in static:
+            x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=g))
+        graph.replay()
+        ref = st.attention(*static, variant="fa3", causal=True, persistent=False)
+        assert torch.equal(out, ref)
 
 def _c_params(text: str, kernel: str) -> list[str]:
     """The C parameter types of `kernel`'s definition in `text`, MASK_PARAMS and DROPOUT_PARAMS expanded from
@@ -505,14 +565,15 @@ def test_forward_arguments_follow_the_kernel_signature():
                          cuda=SimpleNamespace(Device=lambda: SimpleNamespace(id=-1)))
     want = _c_params(loader.source_text("fa3_ws.cu"), "fa3_ws_forward")
     c_of = {np.int32: "int", np.float32: "float", np.uint32: "unsigned", np.uint64: "unsigned long long"}
-    ptr_of = {"float16": "T*", "float32": "float*", "int32": "int*", "int8": "signed char*", "uint8": "unsigned char*"}
+    ptr_of = {"float16": "T*", "float32": "float*", "int32": "int*", "uint32": "unsigned*", "int8": "signed char*",
+              "uint8": "unsigned char*"}
     for causal in (False, True):
         p = Problem(2, 4, 2, 500, 300, 64, "float16", causal=causal, dropout_p=0.1)
         bound = sandbox.get_variant("fa3")
         cfg = bound.variant.impl._resolved(p, bound.config)
         maps = tuple(SimpleNamespace(kind="TmaDesc") for _ in range(3))
         out, lse = np.empty((2, 4, 500, 64), np.float16), np.empty((2, 4, 500), np.float32)
-        _, args, _, _, rest = bound.variant.impl._arguments(p, cfg, maps, out, lse, np.zeros(1, np.int32), xp)
+        _, args, _, _, rest = bound.variant.impl._arguments(p, cfg, maps, out, lse, np.zeros(1, np.uint32), xp)
         got = [a.kind if isinstance(a, SimpleNamespace) else ptr_of[str(a.dtype)] if isinstance(a, np.ndarray)
                else c_of[type(a)] for a in (*args, *dropout_args(p), *rest)]
         assert got == want

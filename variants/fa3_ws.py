@@ -33,9 +33,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from sandbox import arrays, tma
+from sandbox import arrays, stream_counters, tma
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, sm_count
-from sandbox.launch import LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, mask_args
+from sandbox.launch import COUNTERS, LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
 from sandbox.masks import UNBOUNDED, Band, mean_visible_keys
 from sandbox.registry import Param, Variant, philox_rounds_param, register
@@ -67,8 +67,9 @@ def short_walk(Nq: int, Nk: int, causal: bool, window) -> bool:
 
 def _fills_the_gpu(p) -> bool:
     """Whether problem p has more Q tiles (at D = 64's Br = 192) than the GPU has SMs (True without a GPU): below,
-    a persistent grid has nothing to balance and each call would only pay for zeroing its item counter (host
-    time per call at B = 1, N = 128: 40 -> 57 us from torch in session 9's `bench host`)."""
+    a persistent grid has nothing to balance. (Until session 10 each call also zeroed its item counter: host
+    time per call at B = 1, N = 128 went 40 -> 57 us from torch in session 9's `bench host`; the kernel now
+    leaves the stream's counter at zero.)"""
     sms = sm_count()
     return sms is None or -(-p.Nq // (64 * 3)) * p.B * p.Hq > sms
 
@@ -189,7 +190,7 @@ class WsConfig:
 
 def _no_sched(xp):
     """The `sched` argument of a non-persistent launch: a device int the kernel never reads (cached)."""
-    return _cached(("no-sched",), lambda: xp.zeros(1, dtype=xp.int32), xp)
+    return _cached(("no-sched",), lambda: xp.zeros(1, dtype=xp.uint32), xp)
 
 
 class FA3WarpSpecialized(FA3Wgmma):
@@ -248,7 +249,8 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def _arguments(self, p, config, maps, out, lse, sched, xp, mods=None):
         """The kernel's arguments up to DROPOUT_PARAMS; MOD_PARAMS (after them) come back separately. `sched`:
-        the persistent kernel's item counter (int32, zero at launch), else any device array (unread)."""
+        the persistent kernel's item counter (uint32, zero at launch, reset by the kernel's last claim: the
+        stream's kept counters, sandbox/stream_counters.py), else any device array (unread)."""
         D, dropout = d_pad(p.d), p.dropout_p > 0
         shift = row_shift(p, config.block_r)
         tiles, tile_heads, mod_rest = forward_tiles(p, config, D, mods, xp, shift)
@@ -269,7 +271,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         out = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
         lse = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
         mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
-        sched = xp.zeros(1, dtype=xp.int32) if config.persistent else _no_sched(xp)
+        sched = stream_counters.zeroed(xp, 1) if config.persistent else _no_sched(xp)
         tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, sched, xp, mods)
         unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
@@ -306,7 +308,7 @@ class FA3WarpSpecialized(FA3Wgmma):
 
         buffers = {"out": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "lse": ((p.B, p.Hq, p.Nq), "float32", False)}
         if config.persistent:
-            buffers["sched"] = ((1,), "int32", True)     # the item counter, zeroed by the caller per call
+            buffers["sched"] = ((1,), "uint32", COUNTERS)   # the item counter: the stream's, left at zero
         return LaunchPlan(buffers, run, keep=(tiles,) if config.persistent else (tiles, sched))
 
 
