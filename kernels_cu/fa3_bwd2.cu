@@ -181,11 +181,12 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
 #endif
         return (int)tiles[(row * nTr + t) * nTc + tc];
     };
-    auto advance = [&](int& gi, int& t) {
+    // advance: the next tile of the list and its class (kept for its iteration: one lookup per tile)
+    auto advance = [&](int& gi, int& t, int& cls) {
         if (t0 > t1) return false;
         do {
             if (++t > t1) { t = t0; if (++gi >= group) return false; }
-        } while (cls_of(gi, t) == TILE_EMPTY);
+        } while ((cls = cls_of(gi, t)) == TILE_EMPTY);
         return true;
     };
     auto issue = [&](int gi, int t, int buf) {
@@ -203,7 +204,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         }
     };
 
-    int gi = 0, t = t0 - 1, buf = 0;                  // the work list's next tile; its Q / dO buffer
+    int gi = 0, t = t0 - 1, buf = 0, ncls = 0;        // the work list's next tile, its class; its Q / dO buffer
     // The thread that issues a warpgroup's dQ reductions (both warpgroups; warpgroup 0 alone with SPLIT_KEYS),
     // and the block staged in the last tile, reduced at the start of the next (after its block barrier): `pend`
     // = (b*Hq + h) * ceil(Nq / 64) + the block's 64-row tile, -1 for none (or a tile past Nq: BR = 128 with
@@ -220,20 +221,18 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
     };
 
     // gi = group once the work list is exhausted (advance leaves it there), so the loop carries no flag
-    if (!advance(gi, t)) gi = group;
+    if (!advance(gi, t, ncls)) gi = group;
     if (gi < group) issue(gi, t, 0);
     cp_async_commit();                                // K, V and the first Q / dO tile
     while (gi < group) {
-        const int cgi = gi, ct = t, cbuf = buf;
-        advance(gi, t);
-        const bool have = gi < group;                 // a next tile
+        const int cgi = gi, ct = t, cbuf = buf, cls = ncls;
         if (issuer) bulk_wait_read<0>();              // the reduction issued a tile ago has read its buffer
         cp_async_wait<0>();
         fence_proxy_async();                          // the copies (and the dQ staging) are read by the async proxy next
         __syncthreads();                              // this tile landed; the last one's dS^T, dQ reads and staging are done
         reduce_pending();                             // the last tile's dQ block
 
-        const int h = hk * group + cgi, bh = b * Hq + h, cls = cls_of(cgi, ct), row0 = ct * BR;
+        const int h = hk * group + cgi, bh = b * Hq + h, row0 = ct * BR;
         const unsigned q_tile = sQ + cbuf * QBUF, do_tile = sdO + cbuf * QBUF;
         const float* cL = sL + cbuf * BR;
         const float* cD = sD + cbuf * BR;
@@ -250,6 +249,12 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
+        // The next tile, under the GEMMs rather than at the top of the loop: its class lookup (a global load,
+        // then a branch on it) ran there with nothing in flight, and its latency stalled every warp (Nsight
+        // Compute, D = 128, N = 4k, session 10: 4% of the stall samples on that load, more on the loop head's
+        // branch). Where ptxas allocates best (NVRTC 13): BR = 128 here (after the visibility bits: 372 bytes of
+        // spills), BR = 64 after the Philox loop (here: 8 bytes with dropout at D = 128).
+        if (BR == 128) advance(gi, t, ncls);
 
         // The dropout keep mask while the tensor cores run: bit 4 n + e of `dropped` set where dropout zeroes
         // element (n, e) (query row0 + 8 n + 2 tq + (e & 1), key col0 + wkey + g + 8 (e >= 2)), whether
@@ -294,6 +299,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
             return VIS_BITS ? !((hidden >> (4 * n + e)) & 1ull)
                             : i < Nq && j < Nk && (cls == TILE_FULL || visible(i, j));
         };
+        if (BR == 64) advance(gi, t, ncls);           // the next tile (BR = 128: above)
         wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
         fence_accumulators(s[0]);
         fence_accumulators(dk[0]);
@@ -303,7 +309,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         // arithmetic beside the accumulators in flight makes ptxas split S^T, wait for it and copy its 32
         // accumulators (NVRTC 13).
         named_sync(3, THREADS);
-        if (have) issue(gi, t, buf ^ 1);
+        if (gi < group) issue(gi, t, buf ^ 1);        // a next tile
         cp_async_commit();
         buf ^= 1;
 
