@@ -118,10 +118,10 @@ __device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int sr
 
 template <typename T, int D, int BR, int R, bool DROPOUT>
 __global__ void __launch_bounds__(256, 1)
-fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
+fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                      // (d, Nq, Hq, B), box (64, 64)
          const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
          const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
-         const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm, // [B, Hq, Nq, d]
+         const __grid_constant__ TmaDesc map_do,                                     // (d, Nq, Hq, B), box (64, 64)
          const float* __restrict__ LSE,      // [B, Hq, Nq]
          const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
          float* __restrict__ dQacc,          // [B*Hq, ceil(Nq/64), 64 D] fp32 in accumulator order, zeroed (64-row tiles)
@@ -148,6 +148,7 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
     constexpr unsigned QBUF = BR * D * 2;
     float* sL = reinterpret_cast<float*>(smem_raw + (sdQ + 4 * STAGE - smem_addr(smem_raw)));   // [2][BR] lse
     float* sD = sL + 2 * BR;                                                                          // [2][BR]
+    const unsigned q_full = smem_addr(sD + 2 * BR);   // [2] mbarriers: Q and dO of buffer 0, 1 landed (TMA)
 
     const Mask mask = MASK_FROM_PARAMS;
     const Dropout drop = DROPOUT_FROM_PARAMS;
@@ -189,10 +190,21 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
         } while ((cls = cls_of(gi, t)) == TILE_EMPTY);
         return true;
     };
+    // The copies of a tile: Q and dO by TMA from one thread (64 x 64 boxes, rows >= Nq and columns >= d zero-filled,
+    // in the 128-byte swizzle of the panels), completing on q_full[buf]; lse and D by cp.async.
     auto issue = [&](int gi, int t, int buf) {
         const int h = hk * group + gi, bh = b * Hq + h, row0 = t * BR;
-        load_panels_async<BR, D, THREADS>(sQ + buf * QBUF, Q + b * q_sb + h * q_sh, q_sm, row0, Nq, dch);
-        load_panels_async<BR, D, THREADS>(sdO + buf * QBUF, dO + b * do_sb + h * do_sh, do_sm, row0, Nq, dch);
+        if (threadIdx.x == 0) {
+            mbar_expect_tx(q_full + 8 * buf, 2 * QBUF);
+#pragma unroll
+            for (int p = 0; p < D / 64; ++p)
+#pragma unroll
+                for (int c = 0; c < BR / 64; ++c) {
+                    const unsigned at = buf * QBUF + p * BR * 128 + c * 64 * 128;
+                    tma_load_4d(sQ + at, map_q, q_full + 8 * buf, p * 64, row0 + c * 64, h, b);
+                    tma_load_4d(sdO + at, map_do, q_full + 8 * buf, p * 64, row0 + c * 64, h, b);
+                }
+        }
         // lse and D by cp.async too (fa3_bwd.cu loads them into registers here, which holds warps 0-1, and so
         // warpgroup 0's next wgmma, for a global-memory latency per tile); rows >= Nq zero-filled (their Q and
         // dO rows are zero: S = 0, dP = 0, D = 0, so they add nothing; masked tiles test i < Nq anyway)
@@ -221,15 +233,22 @@ fa3_bwd2(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm
     };
 
     // gi = group once the work list is exhausted (advance leaves it there), so the loop carries no flag
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        mbar_init(q_full + 8, 1);
+        mbar_init_fence();
+    }
+    __syncthreads();                                  // the mbarriers are initialised before any thread waits
     if (!advance(gi, t, ncls)) gi = group;
     if (gi < group) issue(gi, t, 0);
     cp_async_commit();                                // K, V and the first Q / dO tile
-    while (gi < group) {
+    for (unsigned use = 0; gi < group; ++use) {      // use: this tile's number; buffer use % 2 is in its (use / 2)-th use
         const int cgi = gi, ct = t, cbuf = buf, cls = ncls;
         if (issuer) bulk_wait_read<0>();              // the reduction issued a tile ago has read its buffer
-        cp_async_wait<0>();
-        fence_proxy_async();                          // the copies (and the dQ staging) are read by the async proxy next
-        __syncthreads();                              // this tile landed; the last one's dS^T, dQ reads and staging are done
+        cp_async_wait<0>();                           // this tile's lse and D (and, in the first, K and V)
+        fence_proxy_async();                          // K, V and the dQ staging are read by the async proxy next
+        mbar_wait(q_full + 8 * cbuf, (use / 2) & 1);  // this tile's Q and dO landed
+        __syncthreads();                              // lse, D landed; the last tile's dS^T, dQ reads and staging are done
         reduce_pending();                             // the last tile's dQ block
 
         const int h = hk * group + cgi, bh = b * Hq + h, row0 = ct * BR;

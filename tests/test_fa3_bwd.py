@@ -108,11 +108,13 @@ def test_default_backward_is_wgmma2_where_it_can_run():
 
 def test_units_names_and_shared_memory():
     from variants.fa3_wgmma import SMEM_LIMIT
-    # K, V; two buffers of Q and dO; the dS^T panel; 2 x 2 staging blocks of 64 x 64 fp32; lse, D; alignment
-    assert fa3_backward.smem2(128) == 2 * (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) + 4 * 16384 + 1024 + 1024 == 215040
-    assert fa3_backward.smem2(64) == 149504
+    # K, V; two buffers of Q and dO; the dS^T panel; 2 x 2 staging blocks of 64 x 64 fp32; lse, D; the two buffers'
+    # mbarriers; alignment
+    assert fa3_backward.smem2(128) == 2 * (2 * 128 * 128 + 4 * 64 * 128 + 128 * 64) + 4 * 16384 + 1024 + 16 + 1024 \
+        == 215056
+    assert fa3_backward.smem2(64) == 149520
     # D = 64 without dropout: 128 query rows per step (Q, dO buffers and the dS^T panels twice as large)
-    assert fa3_backward.smem2(64, 128) == 2 * (2 * 128 * 64 + 4 * 128 * 64 + 128 * 128) + 4 * 16384 + 2048 + 1024
+    assert fa3_backward.smem2(64, 128) == 2 * (2 * 128 * 64 + 4 * 128 * 64 + 128 * 128) + 4 * 16384 + 2048 + 16 + 1024
     assert max(fa3_backward.smem2(D, fa3_backward.rows2(D, drop)) for D in (64, 128) for drop in (0, 1)) <= SMEM_LIMIT
     assert [fa3_backward.rows2(D, drop, text) for D in (64, 128) for drop in (False, True) for text in (False, True)] \
         == [128, 64, 64, 64, 64, 64, 64, 64]
@@ -120,10 +122,10 @@ def test_units_names_and_shared_memory():
     assert u.source == "fa3_bwd2.cu" and u.archs == ("sm_90a",)
     assert u.names == ("fa3_bwd2<__nv_bfloat16, 128, 64, 10, false>", "fa3_bwd2<__nv_bfloat16, 128, 64, 10, true>",
                        "fa3_bwd2_dq<__nv_bfloat16>")
-    assert u.dynamic_smem[u.names[0]] == 215040 and u.dynamic_smem["fa3_bwd2_dq<__nv_bfloat16>"] == 0
+    assert u.dynamic_smem[u.names[0]] == 215056 and u.dynamic_smem["fa3_bwd2_dq<__nv_bfloat16>"] == 0
     u64 = fa3_backward.unit2("float16", 64, 10, serial=False)
     assert u64.names[:2] == ("fa3_bwd2<__half, 64, 128, 10, false>", "fa3_bwd2<__half, 64, 64, 10, true>")
-    assert [u64.dynamic_smem[n] for n in u64.names] == [199680, 149504, 0]
+    assert [u64.dynamic_smem[n] for n in u64.names] == [199696, 149520, 0]
     assert not any("FA3_BWD2_SERIAL" in o for o in u.options)
     serial = fa3_backward.unit2("bfloat16", 128, 10, serial=True)
     assert "-DFA3_BWD2_SERIAL" in serial.options and serial.label != u.label and serial.names == u.names

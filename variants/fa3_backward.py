@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from sandbox import arrays
+from sandbox import arrays, tma
 from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64, mask_args, strides4, tile_table
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 
@@ -36,6 +36,7 @@ BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
 KERNELS = ("wgmma", "wgmma2")      # the bwd_kernel values these kernels serve ("mma" is fa2-tc's)
 SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation: GEMMs not overlapped
+TMA_ROWS = 64                      # wgmma2's Q and dO tensor maps: boxes of 64 rows x 64 columns
 
 
 def backward_mods(p) -> str:
@@ -165,9 +166,9 @@ def dq_name(dtype: str) -> str:
 
 def smem2(D: int, rows: int = BR) -> int:
     """K, V, two buffers of Q and dO (`rows` each), the dS^T panels, the dQ staging (two 16 KB fp32 blocks
-    per warpgroup), two buffers of lse and D, 1024 bytes of alignment slack: 215040 bytes at D = 128,
-    149504 at D = 64 with 64 rows, 199680 with 128."""
-    return ITEMSIZE * (2 * BC * D + 4 * rows * D + BC * rows) + 2 * 2 * 64 * 64 * 4 + 4 * 4 * rows + 1024
+    per warpgroup), two buffers of lse and D, the two buffers' mbarriers (TMA), 1024 bytes of alignment slack:
+    215056 bytes at D = 128, 149520 at D = 64 with 64 rows, 199696 with 128."""
+    return ITEMSIZE * (2 * BC * D + 4 * rows * D + BC * rows) + 2 * 2 * 64 * 64 * 4 + 4 * 4 * rows + 2 * 8 + 1024
 
 
 def acc_shape(p, D: int) -> tuple:
@@ -235,11 +236,14 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     mods = module_mods(p, need)
     u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text)
     kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
-    operands = (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], dout, *strides4(dout)[:3], lse, Dv)
-    launch(u, kname, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,),
-           _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
-           + (modifier_args(p, int(tile_b), xp) if mods is not None else ()),
-           shared_mem=u.dynamic_smem[kname])
+    held = [x if tma.usable_strides(x.shape, arrays.element_strides(x)) else xp.array(x, copy=True, order="C")
+            for x in (q, dout)]       # a layout TMA cannot describe (a zero stride): a fresh copy
+    maps = [tma.map_of(x, TMA_ROWS) for x in held]
+    operands = (maps[0], k, *strides4(k)[:3], v, *strides4(v)[:3], maps[1], lse, Dv)
+    main = PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
+                        _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
+                        + (modifier_args(p, int(tile_b), xp) if mods is not None else ()))   # tensor maps by value
+    main({}, xp.cuda.get_current_stream())
     launch(u, dq_name(p.dtype), (-(-p.Nq // 64), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))
     return dq, dk, dv
@@ -257,7 +261,11 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     tiles, tile_heads = tile_table(p, rows2(D, dropout), BC, xp)
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
     rows = p.B * p.Hq * p.Nq
-    operands = tuple(x for nm in ("q", "k", "v", "dout") for x in (Slot(nm), *st[nm])) + (Slot("lse"), Slot("D"))
+    shape = (p.B, p.Hq, p.Nq, p.d)
+    if any(tma.usable_strides(shape, strides[nm]) is None for nm in ("q", "dout")):
+        return None                   # a layout TMA cannot describe: the generic path copies it
+    operands = (Slot("map_q", "map"), *(x for nm in ("k", "v") for x in (Slot(nm), *st[nm])), Slot("map_dout", "map"),
+                Slot("lse"), Slot("D"))
     kernels = [
         PackedLaunch(get_kernel(pre, tc.rowdot_name(p.dtype)).kernel, (-(-rows // 32),), (256,), 0,
                      (Slot("dout"), *st["dout"], Slot("out"), *st["out"], Slot("D"), i32(p.Hq), i32(p.Nq), i32(p.d),
@@ -271,6 +279,8 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     def run(ptr, seed, offset, stream):
         _check_aligned(ptr, ("q", "k", "v", "out", "dout"), variant)
         ptr["seed"], ptr["offset"] = seed, offset
+        held = [tma.tensor_map(ptr[nm], p.dtype, shape, strides[nm], TMA_ROWS) for nm in ("q", "dout")]
+        ptr["map_q"], ptr["map_dout"] = (m.address for m in held)
         for kernel in kernels:
             kernel(ptr, stream)
 
