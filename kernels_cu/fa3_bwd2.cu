@@ -43,7 +43,15 @@
 //    soon as it is issued instead: changes 1 and 3 without 2, for measuring them apart.
 // 3. Copies: lse and D of the next tile by cp.async as Q and dO (fa3_bwd.cu loads them into registers
 //    and stores them, which holds warps 0-1, so warpgroup 0's next wgmma, for a memory latency per tile),
-//    issued after the first wait of the tile rather than before its GEMMs. No TMA (the issue's step 3).
+//    issued after the first wait of the tile rather than before its GEMMs. Since session 10 Q and dO come by
+//    TMA (issue 17 step 3): thread 0 issues 64 x 64 boxes of 4-D tensor maps (d, Nq, Hq, B) into the swizzled
+//    panels, completing on an mbarrier per buffer that every thread waits on at the loop head; rows >= Nq and
+//    columns >= d are TMA's zero fill. Before, all 256 threads issued cp.async: ~290 instructions per thread
+//    and tile and 13% of the stall samples (ncu, D = 128, N = 4k). Predicted +5-10% at D = 128; measured
+//    (bench/results/h100/2026-11-26-session-10.md, same call) +3-4% non-causal, +5-6% causal at N = 4k-8k, and
+//    +5-6% / +3% at D = 64, with ptxas splitting S^T (below); with the split mended, see the results file.
+//    The next tile's class is looked up where its load does not stall the warps and ptxas keeps S^T whole
+//    (the loop's comment; tests/test_fa3_bwd.py checks the SASS).
 // Predicted (H100, B = 4, H = 16, N = 4096, d = 128, fp16, non-causal; backward alone ~200 TFLOP/s with
 // fa3_bwd.cu, which the ncu profile of session 4 shows latency-bound: 0.27 instructions per scheduler-cycle,
 // no eligible warp 73% of cycles, L2 57% busy with the atomics, spills in its loop; ~6.7 us per Q tile
@@ -244,6 +252,19 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     cp_async_commit();                                // K, V and the first Q / dO tile
     for (unsigned use = 0; gi < group; ++use) {      // use: this tile's number; buffer use % 2 is in its (use / 2)-th use
         const int cgi = gi, ct = t, cbuf = buf, cls = ncls;
+        // The next tile and its class, looked up where the lookup's global load does not stall every warp (at
+        // the loop head, its branch on the loaded class did: Nsight Compute, D = 128, N = 4k, session 10, 4% of the
+        // stall samples on the load). Where depends on what ptxas keeps whole (NVRTC 13, checked in the SASS:
+        // tests/test_fa3_bwd.py): BR = 64 loads the class of the list's next tile here and tests it once S^T has
+        // landed (below; EMPTY, as only a block mask or mask modifier makes it, falls back to the skipping walk),
+        // since any test under the GEMMs at D = 128 made ptxas split S^T and wait for all of it and the last dK
+        // before its last wgmma; BR = 128 walks the list under the GEMMs (there the guess's registers split
+        // every wgmma).
+        int ngi = gi, nt = t + 1, ncls_guess = TILE_EMPTY;
+        if (BR == 64) {
+            if (nt > t1) { nt = t0; ++ngi; }
+            if (ngi < group) ncls_guess = cls_of(ngi, nt);
+        }
         if (issuer) bulk_wait_read<0>();              // the reduction issued a tile ago has read its buffer
         cp_async_wait<0>();                           // this tile's lse and D (and, in the first, K and V)
         fence_proxy_async();                          // K, V and the dQ staging are read by the async proxy next
@@ -268,12 +289,12 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
+        if (BR == 128) advance(gi, t, ncls);          // the next tile (BR = 64: after S^T landed, from the guess)
         // The next tile, under the GEMMs rather than at the top of the loop: its class lookup (a global load,
         // then a branch on it) ran there with nothing in flight, and its latency stalled every warp (Nsight
         // Compute, D = 128, N = 4k, session 10: 4% of the stall samples on that load, more on the loop head's
         // branch). Where ptxas allocates best (NVRTC 13): BR = 128 here (after the visibility bits: 372 bytes of
         // spills), BR = 64 after the Philox loop (here: 8 bytes with dropout at D = 128).
-        if (BR == 128) advance(gi, t, ncls);
 
         // The dropout keep mask while the tensor cores run: bit 4 n + e of `dropped` set where dropout zeroes
         // element (n, e) (query row0 + 8 n + 2 tq + (e & 1), key col0 + wkey + g + 8 (e >= 2)), whether
@@ -318,7 +339,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
             return VIS_BITS ? !((hidden >> (4 * n + e)) & 1ull)
                             : i < Nq && j < Nk && (cls == TILE_FULL || visible(i, j));
         };
-        if (BR == 64) advance(gi, t, ncls);           // the next tile (BR = 128: above)
         wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
         fence_accumulators(s[0]);
         fence_accumulators(dk[0]);
@@ -328,6 +348,10 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         // arithmetic beside the accumulators in flight makes ptxas split S^T, wait for it and copy its 32
         // accumulators (NVRTC 13).
         named_sync(3, THREADS);
+        if (BR == 64) {
+            gi = ngi, t = nt, ncls = ncls_guess;
+            if (gi < group && ncls == TILE_EMPTY) advance(gi, t, ncls);   // skip the EMPTY tiles of a sparse mask
+        }
         if (gi < group) issue(gi, t, buf ^ 1);        // a next tile
         cp_async_commit();
         buf ^= 1;
