@@ -92,6 +92,8 @@
 // Kernels
 //   fa3_bwd2<T, D, BR, R, DROPOUT>  grid (ceil(Nk / 128), B*Hkv), 256 threads: dK, dV, and dQacc += dS K;
 //                                   BR = 64, or 128 at D = 64 without dropout (change 4).
+//   fa3_bwd2_pre<T>              grid (ceil(Nq / 128) 2, B*Hq), 256 threads, before fa3_bwd2: D = rowsum(dO o O) and
+//                                lse in padded rows, dQacc zeroed (one launch for fa2-tc's rowdot kernel and a memset).
 //   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T.
 // Envelope: D in {64, 128}; sm_90a. Not deterministic (reduction order); the deterministic dQ stays
 // fa2-tc's (variants/fa3_wgmma.py).
@@ -115,13 +117,6 @@
 #define BWD2_SERIAL false
 #endif
 
-// ---- device helpers
-
-// 4 bytes global -> shared, asynchronous; src_bytes = 0 zero-fills.
-__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // ---- kernels
 
 template <typename T, int D, int BR, int R, bool DROPOUT>
@@ -130,8 +125,8 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
          const T* __restrict__ K, long long k_sb, long long k_sh, long long k_sm,     // [B, Hkv, Nk, d]
          const T* __restrict__ V, long long v_sb, long long v_sh, long long v_sm,     // [B, Hkv, Nk, d]
          const __grid_constant__ TmaDesc map_do,                                     // (d, Nq, Hq, B), box (64, 64)
-         const float* __restrict__ LSE,      // [B, Hq, Nq]
-         const float* __restrict__ Dv,       // [B, Hq, Nq] rowsum(dO o O)
+         const float* __restrict__ LSE,      // [B*Hq, NPAD]: lse, rows padded to NPAD = ceil(Nq / 128) 128 (fa3_bwd2_pre)
+         const float* __restrict__ Dv,       // [B*Hq, NPAD]: rowsum(dO o O), the same padding
          float* __restrict__ dQacc,          // [B*Hq, ceil(Nq/64), 64 D] fp32 in accumulator order, zeroed (64-row tiles)
          T* __restrict__ dK,                 // [B, Hkv, Nk, d] contiguous
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
@@ -164,7 +159,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     const int wt = threadIdx.x % 128;                             // thread of the warpgroup
     const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
     const int col0 = tc * BC, wkey = warp * 16, dch = d / 8;     // the warp's 16 keys of the tile
-    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC, nT64 = (Nq + 63) / 64;
+    const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC, nT64 = (Nq + 63) / 64, nPad = (Nq + 127) / 128 * 128;
     const float scale_log2 = scale * LOG2E_F;
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
@@ -198,12 +193,17 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         } while ((cls = cls_of(gi, t)) == TILE_EMPTY);
         return true;
     };
-    // The copies of a tile: Q and dO by TMA from one thread (64 x 64 boxes, rows >= Nq and columns >= d zero-filled,
-    // in the 128-byte swizzle of the panels), completing on q_full[buf]; lse and D by cp.async.
+    // The copies of a tile, all from thread 0 and completing on q_full[buf]: Q and dO by TMA (64 x 64 boxes, rows
+    // >= Nq and columns >= d zero-filled, in the 128-byte swizzle of the panels), lse and D by two bulk copies of
+    // their padded rows (rows >= Nq are 0 there: their Q and dO rows are zero, so S = 0, dP = 0, D = 0 and they
+    // add nothing; masked tiles test i < Nq anyway). No cp.async in the loop: ptxas counts bulk groups (the dQ
+    // reductions) on cp.async's scoreboard, so a cp.async wait there also waited for the last reduction.
     auto issue = [&](int gi, int t, int buf) {
         const int h = hk * group + gi, bh = b * Hq + h, row0 = t * BR;
         if (threadIdx.x == 0) {
-            mbar_expect_tx(q_full + 8 * buf, 2 * QBUF);
+            mbar_expect_tx(q_full + 8 * buf, 2 * QBUF + 2 * BR * 4);
+            bulk_load(smem_addr(sL + buf * BR), LSE + (long long)bh * nPad + row0, BR * 4, q_full + 8 * buf);
+            bulk_load(smem_addr(sD + buf * BR), Dv + (long long)bh * nPad + row0, BR * 4, q_full + 8 * buf);
 #pragma unroll
             for (int p = 0; p < D / 64; ++p)
 #pragma unroll
@@ -212,15 +212,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                     tma_load_4d(sQ + at, map_q, q_full + 8 * buf, p * 64, row0 + c * 64, h, b);
                     tma_load_4d(sdO + at, map_do, q_full + 8 * buf, p * 64, row0 + c * 64, h, b);
                 }
-        }
-        // lse and D by cp.async too (fa3_bwd.cu loads them into registers here, which holds warps 0-1, and so
-        // warpgroup 0's next wgmma, for a global-memory latency per tile); rows >= Nq zero-filled (their Q and
-        // dO rows are zero: S = 0, dP = 0, D = 0, so they add nothing; masked tiles test i < Nq anyway)
-        for (int x = threadIdx.x; x < BR; x += THREADS) {
-            const int i = row0 + x;
-            const long long at = (long long)bh * Nq + min(i, Nq - 1);
-            cp_async_4(smem_addr(sL + buf * BR + x), LSE + at, i < Nq ? 4 : 0);
-            cp_async_4(smem_addr(sD + buf * BR + x), Dv + at, i < Nq ? 4 : 0);
         }
     };
 
@@ -232,10 +223,11 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     // buffer is that tile's Q / dO buffer index (both alternate per tile), buf ^ 1 until buf moves on in this tile.
     const bool issuer = wt == 0 && (!SPLIT_KEYS || wg == 0);
     int pend = -1;
-    auto reduce_pending = [&]() {
-        if (issuer && pend >= 0) {
-            bulk_reduce_add_f32(dQacc + (long long)pend * (64 * D) + (D == 128 ? wg * (64 * 64) : 0),
-                                sdQ + (wg * 2 + (buf ^ 1)) * STAGE, STAGE);
+    auto reduce_pending = [&]() {                   // one bulk group per tile and issuer, empty without a block
+        if (issuer) {
+            if (pend >= 0)
+                bulk_reduce_add_f32(dQacc + (long long)pend * (64 * D) + (D == 128 ? wg * (64 * 64) : 0),
+                                    sdQ + (wg * 2 + (buf ^ 1)) * STAGE, STAGE);
             bulk_commit();
         }
     };
@@ -249,7 +241,8 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     __syncthreads();                                  // the mbarriers are initialised before any thread waits
     if (!advance(gi, t, ncls)) gi = group;
     if (gi < group) issue(gi, t, 0);
-    cp_async_commit();                                // K, V and the first Q / dO tile
+    cp_async_commit();
+    cp_async_wait<0>();                               // K and V (the loop issues no cp.async)
     for (unsigned use = 0; gi < group; ++use) {      // use: this tile's number; buffer use % 2 is in its (use / 2)-th use
         const int cgi = gi, ct = t, cbuf = buf, cls = ncls;
         // The next tile and its class, looked up where the lookup's global load does not stall every warp (at
@@ -265,11 +258,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
             if (nt > t1) { nt = t0; ++ngi; }
             if (ngi < group) ncls_guess = cls_of(ngi, nt);
         }
-        if (issuer) bulk_wait_read<0>();              // the reduction issued a tile ago has read its buffer
-        cp_async_wait<0>();                           // this tile's lse and D (and, in the first, K and V)
         fence_proxy_async();                          // K, V and the dQ staging are read by the async proxy next
-        mbar_wait(q_full + 8 * cbuf, (use / 2) & 1);  // this tile's Q and dO landed
-        __syncthreads();                              // lse, D landed; the last tile's dS^T, dQ reads and staging are done
+        mbar_wait(q_full + 8 * cbuf, (use / 2) & 1);  // this tile's Q, dO, lse and D landed
+        __syncthreads();                              // the last tile's dS^T, dQ reads and staging are done
         reduce_pending();                             // the last tile's dQ block
 
         const int h = hk * group + cgi, bh = b * Hq + h, row0 = ct * BR;
@@ -452,6 +443,11 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                 asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(pd[n / 2][2 * (n % 2) + hr]));
             }
         fence_proxy_async();
+        // The staging buffer this tile writes below was last read by the reduction issued at the previous tile's
+        // head; the one issued at this tile's head (the other buffer) may still run. Waited for here, mid-tile,
+        // rather than at the loop head (a tile earlier in its life), where it stalled warps 0 and 4 and, through
+        // the block barrier, every warp (ncu, D = 128, N = 4k, session 10: 8% of the stall samples).
+        if (issuer) bulk_wait_read<1>();
         named_sync(1, THREADS);                       // both warpgroups' dS^T rows are in the panel
         wgmma_fence();
 
@@ -514,7 +510,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     wgmma_wait<0>();                                  // the last dK
     fence_accumulators(dk[0]);
     fence_accumulators(dv[0]);
-    cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();                                  // the last dQ block is staged
     reduce_pending();
@@ -561,5 +556,50 @@ fa3_bwd2_dq(const float* __restrict__ acc, T* __restrict__ dQ, int Nq, int d, in
             w[q] = Elem<T>::pack(v.x * scale, v.y * scale);
         }
         *reinterpret_cast<uint4*>(dQ + ((long long)bh * Nq + i) * d + c0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
+// The backward's preprocessing, one launch (as FA3's hopper/ backward preprocess): for the 64 rows of Q tile
+// blockIdx.x of (b, h) = blockIdx.y, D = rowsum(dO o O) in fp32 and lse copied into rows padded to NPAD =
+// gridDim.x 64 = ceil(Nq / 128) 128 (0 past Nq), so that fa3_bwd2 loads a tile's lse and D as two 16-byte aligned
+// bulk copies; and the tile's fp32 dQ accumulator block zeroed (tiles < ceil(Nq / 64)). Four threads per row,
+// 16-byte loads of 8 columns (rows 16-byte aligned: the variant's check), the columns past the last whole chunk
+// one by one.
+template <typename T>
+__global__ void __launch_bounds__(256)
+fa3_bwd2_pre(const T* __restrict__ dO, long long do_sb, long long do_sh, long long do_sm,   // [B, Hq, Nq, d]
+             const T* __restrict__ O, long long o_sb, long long o_sh, long long o_sm,       // [B, Hq, Nq, d]
+             const float* __restrict__ LSE,          // [B, Hq, Nq]
+             float* __restrict__ Lp,                 // [B*Hq, NPAD]
+             float* __restrict__ Dp,                 // [B*Hq, NPAD]
+             float* __restrict__ dQacc,              // [B*Hq, ceil(Nq/64), 64 D]
+             int Hq, int Nq, int d, int D) {
+    const int tile = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, nPad = gridDim.x * 64;
+    const int r = threadIdx.x / 4, sub = threadIdx.x % 4, i = tile * 64 + r, nT64 = (Nq + 63) / 64;
+    float acc = 0.0f;
+    if (i < Nq) {
+        const T* go = dO + b * do_sb + h * do_sh + (long long)i * do_sm;
+        const T* oo = O + b * o_sb + h * o_sh + (long long)i * o_sm;
+        for (int c = sub * 8; c + 8 <= d; c += 32) {
+            const uint4 x = *reinterpret_cast<const uint4*>(go + c), y = *reinterpret_cast<const uint4*>(oo + c);
+            const unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float2 u = Elem<T>::unpack(xs[q]), v = Elem<T>::unpack(ys[q]);
+                acc = fmaf(u.x, v.x, fmaf(u.y, v.y, acc));
+            }
+        }
+        for (int c = d / 8 * 8 + sub; c < d; c += 4)
+            acc = fmaf((float)go[c], (float)oo[c], acc);
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    if (sub == 0) {
+        Dp[(long long)bh * nPad + i] = acc;
+        Lp[(long long)bh * nPad + i] = i < Nq ? LSE[(long long)bh * Nq + i] : 0.0f;
+    }
+    if (tile < nT64) {
+        float4* z = reinterpret_cast<float4*>(dQacc + ((long long)bh * nT64 + tile) * (64 * D));
+        for (int x = threadIdx.x; x < 16 * D; x += blockDim.x) z[x] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 }

@@ -184,6 +184,13 @@ __device__ __forceinline__ void tma_load_4d(unsigned dst, const TmaDesc& map, un
                     "r"(bar) : "memory");
 }
 
+// `bytes` (a multiple of 16) of global memory at `src` (16-byte aligned) into shared memory at `dst` (16-byte
+// aligned), one bulk copy completing on `bar` (cp.async.bulk, PTX ISA 8.0, sm_90).
+__device__ __forceinline__ void bulk_load(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
 // Move registers between warpgroups (sm_90a): the producer gives up, the consumers take.
 template <int N>
 __device__ __forceinline__ void regs_release() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(N)); }

@@ -121,15 +121,16 @@ def test_units_names_and_shared_memory():
     u = fa3_backward.unit2("bfloat16", 128, 10, serial=False)
     assert u.source == "fa3_bwd2.cu" and u.archs == ("sm_90a",)
     assert u.names == ("fa3_bwd2<__nv_bfloat16, 128, 64, 10, false>", "fa3_bwd2<__nv_bfloat16, 128, 64, 10, true>",
-                       "fa3_bwd2_dq<__nv_bfloat16>")
+                       "fa3_bwd2_dq<__nv_bfloat16>", "fa3_bwd2_pre<__nv_bfloat16>")
     assert u.dynamic_smem[u.names[0]] == 215056 and u.dynamic_smem["fa3_bwd2_dq<__nv_bfloat16>"] == 0
     u64 = fa3_backward.unit2("float16", 64, 10, serial=False)
     assert u64.names[:2] == ("fa3_bwd2<__half, 64, 128, 10, false>", "fa3_bwd2<__half, 64, 64, 10, true>")
-    assert [u64.dynamic_smem[n] for n in u64.names] == [199696, 149520, 0]
+    assert [u64.dynamic_smem[n] for n in u64.names] == [199696, 149520, 0, 0]
     assert not any("FA3_BWD2_SERIAL" in o for o in u.options)
     serial = fa3_backward.unit2("bfloat16", 128, 10, serial=True)
     assert "-DFA3_BWD2_SERIAL" in serial.options and serial.label != u.label and serial.names == u.names
     assert fa3_backward.acc_shape(_problem(64), 64) == (4, 1, 64 * 64)
+    assert [fa3_backward.padded_rows(n) for n in (1, 64, 128, 129, 300)] == [128, 128, 128, 256, 384]
 
 
 def test_the_compile_gate_builds_wgmma2_and_holds_it_to_no_spills():
@@ -228,7 +229,7 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
     units = [fa3_backward.unit2("float16", D, 10, serial=False, mods=ModKernel.of(_alibi_problem(D, drop)))
              for D in (64, 128) for drop in (0.0, 0.2)]
     for u in units:
-        assert "-DFA_DIST_BIAS=1" in u.options and len(u.names) == 2 and "alibi:" in u.label
+        assert "-DFA_DIST_BIAS=1" in u.options and len(u.names) == 3 and "alibi:" in u.label
     text = [fa3_backward.unit2(dt, D, 10, serial=False, mods=ModKernel.of(
                 dataclasses.replace(_alibi_problem(D, drop), score_mod=score_mods()[sm]), backward=True))
             for dt, D, drop, sm in (("float16", 64, 0.2, "softcap"), ("bfloat16", 128, 0.2, "softcap+sinks"),
@@ -244,7 +245,7 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
         need = fa3_backward.backward_mods(p)
         u = fa3_backward.unit2(dt, D, 10, serial=False, mods=fa3_backward.module_mods(p, need),
                                text_mod=fa3_backward.text_of(p, need))
-        assert need == "mask" and "-DFA_MASK_MOD=1" in u.options and len(u.names) == 2
+        assert need == "mask" and "-DFA_MASK_MOD=1" in u.options and len(u.names) == 3
         assert (", 64, 128, 10," in u.names[0]) == (D == 64 and not drop and sm is None)
         masked.append(u)
     units += text + masked

@@ -3,7 +3,8 @@
 
 Seed: FA2 paper Algorithm 2 (column-parallel, P recomputed from the logsumexp, D = rowsum(dO o O)
 precomputed, dQ accumulated in fp32 across key blocks) with its five GEMMs on wgmma (FA3 paper Sec. 3).
-The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot). Tile: 128 keys per block
+The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot) for wgmma, fa3_bwd2_pre (D, lse in
+padded rows for bulk copies, the dQ accumulator zeroed) for wgmma2. Tile: 128 keys per block
 (64 per warpgroup), 64 query rows per step; wgmma2 takes 128 at d <= 64 without dropout or a modifier's
 text (`rows2`: FA3's 128 x 128 tile for head dim 64).
 - wgmma: dQ by float4 atomics of each warpgroup's key half into an fp32 dq, cast at the end (as
@@ -164,6 +165,15 @@ def dq_name(dtype: str) -> str:
     return f"fa3_bwd2_dq<{CTYPE[dtype]}>"
 
 
+def pre_name(dtype: str) -> str:
+    return f"fa3_bwd2_pre<{CTYPE[dtype]}>"
+
+
+def padded_rows(Nq: int) -> int:
+    """fa3_bwd2's lse and D rows per (b, h): Nq rounded up to 128 (whole BR tiles, 16-byte aligned bulk copies)."""
+    return -(-Nq // 128) * 128
+
+
 def smem2(D: int, rows: int = BR) -> int:
     """K, V, two buffers of Q and dO (`rows` each), the dS^T panels, the dQ staging (two 16 KB fp32 blocks
     per warpgroup), two buffers of lse and D, the two buffers' mbarriers (TMA), 1024 bytes of alignment slack:
@@ -187,9 +197,9 @@ def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: Mod
     drops = (False, True) if mods is None else (mods.dropout,)
     main = tuple(name2(dtype, D, drop, rounds, rows2(D, drop, text_mod)) for drop in drops)
     shared = {n: smem2(D, rows2(D, drop, text_mod)) for n, drop in zip(main, drops)}
-    shared[dq_name(dtype)] = 0
+    shared[dq_name(dtype)] = shared[pre_name(dtype)] = 0
     opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
-    return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype)), opts, shared,
+    return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype), pre_name(dtype)), opts, shared,
                        label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}{mods.label if mods else ''}]",
                        archs=ARCHS)
 
@@ -214,18 +224,17 @@ def _args2(p, q_args, acc, dk, dv, tiles, tile_heads, xp, dropout_rest) -> tuple
 
 
 def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
-    """dq, dk, dv on the caller's CuPy stream: rowdot, fa3_bwd2 (dK, dV, the dQ accumulator), fa3_bwd2_dq."""
+    """dq, dk, dv on the caller's CuPy stream: fa3_bwd2_pre (D, padded lse, the dQ accumulator zeroed), fa3_bwd2 (dK,
+    dV, dQ accumulated), fa3_bwd2_dq."""
     need = backward_mods(p)
     import cupy as xp
     for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
         check_alignment(x, nm, variant)
     D, dropout = d_pad(p.d), p.dropout_p > 0
-    pre = tc.backward_unit(p.dtype, D)
-    Dv = xp.empty((p.B, p.Hq, p.Nq), dtype=xp.float32)
-    rows = p.B * p.Hq * p.Nq
-    launch(pre, tc.rowdot_name(p.dtype), (-(-rows // 32),), (256,),
-           (dout, *strides4(dout)[:3], out, *strides4(out)[:3], Dv, i32(p.Hq), i32(p.Nq), i32(p.d), i64(rows)))
-    acc = xp.zeros(acc_shape(p, D), dtype=xp.float32)
+    npad = padded_rows(p.Nq)
+    lse_pad = xp.empty((p.B * p.Hq, npad), dtype=xp.float32)
+    Dv = xp.empty((p.B * p.Hq, npad), dtype=xp.float32)
+    acc = xp.empty(acc_shape(p, D), dtype=xp.float32)          # zeroed by fa3_bwd2_pre
     dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
@@ -236,10 +245,13 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     mods = module_mods(p, need)
     u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text)
     kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
+    launch(u, pre_name(p.dtype), (npad // 64, p.B * p.Hq), (256,),
+           (dout, *strides4(dout)[:3], out, *strides4(out)[:3], lse, lse_pad, Dv, acc, i32(p.Hq), i32(p.Nq), i32(p.d),
+            i32(D)))
     held = [x if tma.usable_strides(x.shape, arrays.element_strides(x)) else xp.array(x, copy=True, order="C")
             for x in (q, dout)]       # a layout TMA cannot describe (a zero stride): a fresh copy
     maps = [tma.map_of(x, TMA_ROWS) for x in held]
-    operands = (maps[0], k, *strides4(k)[:3], v, *strides4(v)[:3], maps[1], lse, Dv)
+    operands = (maps[0], k, *strides4(k)[:3], v, *strides4(v)[:3], maps[1], lse_pad, Dv)
     main = PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
                         _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
                         + (modifier_args(p, int(tile_b), xp) if mods is not None else ()))   # tensor maps by value
@@ -250,26 +262,25 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
 
 
 def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
-    """The pointer-level plan: rowdot, fa3_bwd2, fa3_bwd2_dq; `dq_acc` zeroed by the caller, dq written
+    """The pointer-level plan: fa3_bwd2_pre (D, padded lse, `dq_acc` zeroed), fa3_bwd2, fa3_bwd2_dq; dq written
     in q's dtype (no cast after the run)."""
     import cupy as xp
     for nm in ("q", "k", "v", "out", "dout"):
         _check_row_strides(strides[nm], nm, variant)
     D, dropout = d_pad(p.d), p.dropout_p > 0
-    pre = tc.backward_unit(p.dtype, D)
+    npad = padded_rows(p.Nq)
     u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
     tiles, tile_heads = tile_table(p, rows2(D, dropout), BC, xp)
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
-    rows = p.B * p.Hq * p.Nq
     shape = (p.B, p.Hq, p.Nq, p.d)
     if any(tma.usable_strides(shape, strides[nm]) is None for nm in ("q", "dout")):
         return None                   # a layout TMA cannot describe: the generic path copies it
     operands = (Slot("map_q", "map"), *(x for nm in ("k", "v") for x in (Slot(nm), *st[nm])), Slot("map_dout", "map"),
-                Slot("lse"), Slot("D"))
+                Slot("lse_pad"), Slot("D"))
     kernels = [
-        PackedLaunch(get_kernel(pre, tc.rowdot_name(p.dtype)).kernel, (-(-rows // 32),), (256,), 0,
-                     (Slot("dout"), *st["dout"], Slot("out"), *st["out"], Slot("D"), i32(p.Hq), i32(p.Nq), i32(p.d),
-                      i64(rows))),
+        PackedLaunch(get_kernel(u, pre_name(p.dtype)).kernel, (npad // 64, p.B * p.Hq), (256,), 0,
+                     (Slot("dout"), *st["dout"], Slot("out"), *st["out"], Slot("lse"), Slot("lse_pad"), Slot("D"),
+                      Slot("dq_acc"), i32(p.Hq), i32(p.Nq), i32(p.d), i32(D))),
         PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
                      _args2(p, operands, Slot("dq_acc"), Slot("dk"), Slot("dv"), tiles, tile_heads, xp,
                             _dropout_slots(p))),
@@ -285,7 +296,8 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
             kernel(ptr, stream)
 
     kv = (p.B, p.Hkv, p.Nk, p.d)
-    buffers = {"D": ((p.B, p.Hq, p.Nq), "float32", False), "dq_acc": (acc_shape(p, D), "float32", True),
+    buffers = {"D": ((p.B * p.Hq, npad), "float32", False), "lse_pad": ((p.B * p.Hq, npad), "float32", False),
+               "dq_acc": (acc_shape(p, D), "float32", False),                # zeroed by fa3_bwd2_pre
                "dq": ((p.B, p.Hq, p.Nq, p.d), p.dtype, False), "dk": (kv, p.dtype, False),
                "dv": (kv, p.dtype, False)}
     return LaunchPlan(buffers, run, keep=(tiles,))
