@@ -4,7 +4,8 @@
 // precomputed, dQ accumulated in fp32 across the key blocks) with its five GEMMs on wgmma (FA3 paper
 // Sec. 3). The rung below is fa3_bwd.cu (bwd_kernel="wgmma"): the same tile (BC = 128 keys per block,
 // 64 per warpgroup, BR = 64 query rows per step (128 at D = 64: change 4), 256 threads, 1 block per SM), work list, masks,
-// dropout replay, cp.async double buffer of Q / dO / lse / D and dK / dV epilogue. What changes:
+// dropout replay, double buffer of Q / dO / lse / D (cp.async there; TMA and bulk copies here since session 10,
+// change 3) and dK / dV epilogue. What changes:
 //
 // 1. dQ: both warpgroups' dS^T rows go to one shared panel (a 256-thread named barrier), and at D = 128
 //    dQ (64 queries x 128) = dS (64 x 128 keys) K (128 x 128) is split along its columns: warpgroup w
@@ -19,9 +20,11 @@
 //    one thread adds the 16 KB to global memory with one bulk reduction
 //    (cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32; PTX ISA 8.0, sm_90), issued right after
 //    the next tile's first block barrier (which publishes the staging, fenced for the async proxy) and
-//    double-buffered per warpgroup: the issuing thread waits for a reduction's read of its buffer one tile
-//    later, before the barrier that precedes the buffer's reuse. (ptxas counts bulk groups on cp.async's
-//    scoreboard, so waiting right after the issue would hold the next tile's cp.async wait too.) The fp32
+//    double-buffered per warpgroup: the issuing thread commits one bulk group per tile (empty where there is
+//    no block) and, before the dS^T barrier that precedes the staging writes, waits until all but the latest
+//    have read their buffers (bulk_wait_read<1>: the reduction of the other buffer may still run). (Until
+//    session 10 it waited at the loop head, a tile earlier: ptxas counts bulk groups on cp.async's scoreboard,
+//    and the loop's lse / D cp.async wait sat there.) The fp32
 //    accumulator in global memory is in that accumulator order, [B*Hq][ceil(Nq / 64)][D / 64][8][128][4]
 //    floats, and a small second kernel (fa3_bwd2_dq) turns it into dq in q's dtype (scaled, rows < Nq,
 //    columns < d): the cast that the atomic backwards run after them anyway. (FA3's hopper/ backward
@@ -41,17 +44,19 @@
 //      buffer for the copies of the tile after.
 //    -DFA3_BWD2_SERIAL (SANDBOX_BWD2_SERIAL=1 in variants/fa3_backward.py) waits for every GEMM group as
 //    soon as it is issued instead: changes 1 and 3 without 2, for measuring them apart.
-// 3. Copies: lse and D of the next tile by cp.async as Q and dO (fa3_bwd.cu loads them into registers
-//    and stores them, which holds warps 0-1, so warpgroup 0's next wgmma, for a memory latency per tile),
-//    issued after the first wait of the tile rather than before its GEMMs. Since session 10 Q and dO come by
+// 3. Copies: lse and D of the next tile with Q and dO (fa3_bwd.cu loads them into registers and stores
+//    them, which holds warps 0-1, so warpgroup 0's next wgmma, for a memory latency per tile), issued after
+//    the first wait of the tile rather than before its GEMMs; by cp.async until session 10. Since then Q and dO come by
 //    TMA (issue 17 step 3): thread 0 issues 64 x 64 boxes of 4-D tensor maps (d, Nq, Hq, B) into the swizzled
 //    panels, completing on an mbarrier per buffer that every thread waits on at the loop head; rows >= Nq and
 //    columns >= d are TMA's zero fill. Before, all 256 threads issued cp.async: ~290 instructions per thread
 //    and tile and 13% of the stall samples (ncu, D = 128, N = 4k). Predicted +5-10% at D = 128; measured
 //    (bench/results/h100/2026-11-26-session-10.md, same call) +3-4% non-causal, +5-6% causal at N = 4k-8k, and
-//    +5-6% / +3% at D = 64, with ptxas splitting S^T (below); with the split mended, see the results file.
-//    The next tile's class is looked up where its load does not stall the warps and ptxas keeps S^T whole
-//    (the loop's comment; tests/test_fa3_bwd.py checks the SASS).
+//    +5-6% / +3% at D = 64, with ptxas splitting S^T (below). The next tile's class is looked up where its
+//    load does not stall the warps and ptxas keeps S^T whole (the loop's comment; tests/test_fa3_bwd.py
+//    checks the SASS): +5% more at D = 128. lse and D by two bulk copies on the same mbarrier, from rows that
+//    fa3_bwd2_pre pads to whole 128-row tiles (16-byte aligned), and the reduction's wait moved mid-tile
+//    (change 1): +0-4% more. The d = 128 backward, N = 4k, non-causal: 433 -> 488 TFLOP/s over the four.
 // Predicted (H100, B = 4, H = 16, N = 4096, d = 128, fp16, non-causal; backward alone ~200 TFLOP/s with
 // fa3_bwd.cu, which the ncu profile of session 4 shows latency-bound: 0.27 instructions per scheduler-cycle,
 // no eligible warp 73% of cycles, L2 57% busy with the atomics, spills in its loop; ~6.7 us per Q tile
@@ -98,10 +103,11 @@
 // Envelope: D in {64, 128}; sm_90a. Not deterministic (reduction order); the deterministic dQ stays
 // fa2-tc's (variants/fa3_wgmma.py).
 // Shared memory (bytes, variants/fa3_backward.py smem2): K, V 2 * 128 D * 2; Q, dO two buffers each
-// 4 * BR D * 2; dS^T 128 * BR * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * BR * 4; 1024 of
-// alignment: 215040 at D = 128, 199680 at D = 64 (BR = 128), 149504 at D = 64 with dropout (BR = 64).
-// Compile report (NVRTC 13, sm_90a, fp16 = bf16): D = 128 250 registers (255 with dropout), D = 64 251
-// (BR = 128; 225 with dropout at BR = 64), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26.
+// 4 * BR D * 2; dS^T 128 * BR * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * BR * 4; two mbarriers 16;
+// 1024 of alignment: 215056 at D = 128, 199696 at D = 64 (BR = 128), 149520 at D = 64 with dropout (BR = 64).
+// Compile report (NVRTC 13.5, sm_90a, fp16): D = 128 245 registers (254 with dropout), D = 64 249 (BR = 128;
+// 226 with dropout at BR = 64), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26,
+// fa3_bwd2_pre 40.
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
@@ -196,8 +202,8 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     // The copies of a tile, all from thread 0 and completing on q_full[buf]: Q and dO by TMA (64 x 64 boxes, rows
     // >= Nq and columns >= d zero-filled, in the 128-byte swizzle of the panels), lse and D by two bulk copies of
     // their padded rows (rows >= Nq are 0 there: their Q and dO rows are zero, so S = 0, dP = 0, D = 0 and they
-    // add nothing; masked tiles test i < Nq anyway). No cp.async in the loop: ptxas counts bulk groups (the dQ
-    // reductions) on cp.async's scoreboard, so a cp.async wait there also waited for the last reduction.
+    // add nothing; masked tiles test i < Nq anyway). No cp.async copies in the loop: ptxas counts bulk groups (the
+    // dQ reductions) on cp.async's scoreboard, so a cp.async wait there also waited for the last reduction.
     auto issue = [&](int gi, int t, int buf) {
         const int h = hk * group + gi, bh = b * Hq + h, row0 = t * BR;
         if (threadIdx.x == 0) {
@@ -280,12 +286,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
-        if (BR == 128) advance(gi, t, ncls);          // the next tile (BR = 64: after S^T landed, from the guess)
-        // The next tile, under the GEMMs rather than at the top of the loop: its class lookup (a global load,
-        // then a branch on it) ran there with nothing in flight, and its latency stalled every warp (Nsight
-        // Compute, D = 128, N = 4k, session 10: 4% of the stall samples on that load, more on the loop head's
-        // branch). Where ptxas allocates best (NVRTC 13): BR = 128 here (after the visibility bits: 372 bytes of
-        // spills), BR = 64 after the Philox loop (here: 8 bytes with dropout at D = 128).
+        // BR = 128: the next tile, walked here under the GEMMs (after the visibility bits below, ptxas spilled 372
+        // bytes; BR = 64 takes the loop head's guess once S^T has landed).
+        if (BR == 128) advance(gi, t, ncls);
 
         // The dropout keep mask while the tensor cores run: bit 4 n + e of `dropped` set where dropout zeroes
         // element (n, e) (query row0 + 8 n + 2 tq + (e & 1), key col0 + wkey + g + 8 (e >= 2)), whether

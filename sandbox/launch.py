@@ -86,7 +86,8 @@ class LaunchPlan:
     """A variant's launches for one problem and stride layout, resolved once (sandbox/fastpath.py).
 
     buffers: name -> (shape, dtype name, zeroed): the arrays the caller allocates per call, on its
-             own allocator and stream, beside the inputs (forward: out, lse; backward: D, dq, dk, dv).
+             own allocator and stream, beside the inputs (forward: out, lse; backward: D, dq, dk, dv, and
+             a variant's scratch such as wgmma2's lse_pad and dq_acc).
              zeroed: False (uninitialised), True (zeros), or COUNTERS: zeros that the launch leaves
              at zero, the stream's kept buffer of sandbox/stream_counters.py (no allocation, no
              memset; fresh zeros while the stream is being captured into a graph).

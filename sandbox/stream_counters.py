@@ -9,11 +9,16 @@ counter while it counts, and any kernel may use the buffer's first n entries; la
 streams use two buffers. `cudaStreamPerThread` is one handle for a different stream per host
 thread, so there the host thread is part of the key.
 
-A stream being captured into a CUDA graph gets a fresh zeroed buffer per call instead: the memset
-becomes part of the graph, and the graph's replays, wherever they run, share no counter with direct
-calls. A dropped buffer (grown, or the least recently used of COUNTER_STREAMS streams) returns to
-the stream-ordered pool of the stream it was allocated on (CuPy's pool, or torch's for torch
-callers), so no other stream reuses it while a launch may still count in it.
+A buffer is allocated and zeroed on the stream that counts in it (the torch fast path passes
+torch's stream, which need not be CuPy's current one), so its memset is ordered before the first
+launch there. A stream being captured into a CUDA graph gets a fresh zeroed buffer per call instead:
+the memset becomes part of the graph, and the graph's replays, wherever they run, share no counter
+with direct calls. A dropped buffer (grown, or the least recently used of COUNTER_STREAMS streams)
+returns to the stream-ordered pool of the stream it was allocated on (CuPy's pool, or torch's where
+the caller's path routes CuPy's allocations to torch: sandbox/arrays.py), so no other stream reuses
+it while a launch may still count in it. The table is guarded by a lock (host threads may launch at
+once). Keys are stream handles: a stream destroyed while a launch still counts and a new stream that
+reuses its handle would share a buffer (streams are not destroyed with work in flight in practice).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import collections
 import threading
 
 _COUNTERS: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
 COUNTER_STREAMS = 64
 MIN_COUNTERS = 1024
 _CUDA_STREAM_PER_THREAD = 2           # cudaStreamPerThread: one handle, a different stream per host thread
@@ -41,16 +47,25 @@ def zeroed(xp, n: int, stream=None):
     if stream is None:
         stream = xp.cuda.get_current_stream()
     if _capturing(stream):
-        return xp.zeros(n, dtype=xp.uint32)
+        return _zeros_on(xp, n, stream)
     key = (xp.cuda.runtime.getDevice(), stream.ptr,
            threading.get_ident() if stream.ptr == _CUDA_STREAM_PER_THREAD else None)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.size < n:
-        buf = _COUNTERS[key] = xp.zeros(max(n, MIN_COUNTERS, 2 * (0 if buf is None else buf.size)), dtype=xp.uint32)
-    _COUNTERS.move_to_end(key)
-    while len(_COUNTERS) > COUNTER_STREAMS:
-        _COUNTERS.popitem(last=False)
+    with _LOCK:
+        buf = _COUNTERS.get(key)
+        if buf is None or buf.size < n:
+            buf = _COUNTERS[key] = _zeros_on(xp, max(n, MIN_COUNTERS, 2 * (0 if buf is None else buf.size)), stream)
+        _COUNTERS.move_to_end(key)
+        while len(_COUNTERS) > COUNTER_STREAMS:
+            _COUNTERS.popitem(last=False)
     return buf
+
+
+def _zeros_on(xp, n: int, stream):
+    """n uint32 zeros allocated and set on `stream` (its memset ordered before the launches there)."""
+    if stream.ptr == xp.cuda.get_current_stream().ptr:
+        return xp.zeros(n, dtype=xp.uint32)
+    with stream:
+        return xp.zeros(n, dtype=xp.uint32)
 
 
 def of_stream(stream) -> list:

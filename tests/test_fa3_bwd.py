@@ -402,7 +402,7 @@ def built():
     units = [fa3_backward.unit2(dt, D, 10, serial=sr) for dt in ("float16", "bfloat16") for D in (64, 128)
              for sr in (False, True)]
     fa3 = sandbox.get_variant("fa3").config
-    units += [fa3.bwd.backward_unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]   # rowdot
+    units += [fa3.bwd.backward_unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]   # wgmma, mma
     units += [fa3.unit(dt, D) for dt in ("float16", "bfloat16") for D in (64, 128)]                # forwards
     units.append(sandbox.get_variant("fa3-wgmma").config.unit("float16", 128))
     loader.prebuild(units, arch())
@@ -434,7 +434,7 @@ def test_wgmma2_on_fa3_wgmma_and_the_serial_build(built, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_wgmma2_from_torch_against_sdpa(built, causal):
-    """sandbox.torch's autograd (the pointer-level plan: dq_acc zeroed by torch, dq in q's dtype) against
+    """sandbox.torch's autograd (the pointer-level plan: dq_acc zeroed by fa3_bwd2_pre, dq in q's dtype) against
     SDPA in float64, with the tolerance rule of tests/test_gpu_torch.py; and a second run agrees (the
     reduction order may differ: within fp32 rounding of the accumulation, so equal after the fp16 cast to
     within one ulp)."""

@@ -21,7 +21,14 @@ def _fake_cupy(streams):
 
 class _Stream:
     def __init__(self, ptr, capturing=False):
-        self.ptr, self.capturing = ptr, capturing
+        self.ptr, self.capturing, self.entered = ptr, capturing, 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
     def is_capturing(self):
         if self.capturing is None:
@@ -60,3 +67,21 @@ def test_counters_per_stream_grown_and_fresh_under_capture(monkeypatch):
         cur[0] = _Stream(10_000 + ptr)
         stream_counters.zeroed(xp, 4)
     assert len(stream_counters._COUNTERS) == stream_counters.COUNTER_STREAMS
+
+
+def test_a_stream_that_is_not_current_gets_its_buffer_zeroed_on_itself(monkeypatch):
+    """The torch fast path passes torch's stream, which need not be CuPy's current one: the buffer is allocated
+    and zeroed with that stream entered (its memset ordered before the launches that count in it), the current
+    stream untouched; a capturing one gets fresh zeros the same way."""
+    import collections
+    monkeypatch.setattr(stream_counters, "_COUNTERS", collections.OrderedDict())
+    cur = [_Stream(1000)]
+    xp, made = _fake_cupy(cur)
+    side = _Stream(5000)
+    a = stream_counters.zeroed(xp, 10, side)
+    assert side.entered == 1 and cur[0].entered == 0 and made == [1024]
+    assert stream_counters.zeroed(xp, 10, side) is a and side.entered == 1      # kept: no new allocation
+    assert stream_counters.of_stream(side) == [a] and stream_counters.of_stream(cur[0]) == []
+    grab = _Stream(6000, capturing=True)
+    stream_counters.zeroed(xp, 10, grab)
+    assert grab.entered == 1 and stream_counters.of_stream(grab) == []
