@@ -377,11 +377,35 @@ def test_accumulator_order_is_what_the_dq_kernel_reads(D):
 
 # ---- GPU: against the oracle, from torch, the serial build
 
+def _gappy_layout():
+    """A per-head block-sparse layout, blocks of (64, 128) on Nq = Nk = 384, whose key blocks each see query blocks
+    with EMPTY ones between them (rows i // 2 == j, and row 5 for key block 0), rolled by the head: the work list
+    skips EMPTY tiles inside [t0, t1] at Br = 64 and 128 and walks on across a GQA group's heads."""
+    from sandbox.masks import BlockSparse
+    base = np.array([[i // 2 == j or (i == 5 and j == 0) for j in range(3)] for i in range(6)])
+    return BlockSparse(np.stack([np.roll(base, h, axis=0) for h in range(4)]), (64, 128))
+
+
+def test_the_gappy_layout_has_empty_tiles_inside_the_walks():
+    from sandbox.masks import TILE_EMPTY, Band, classify_tiles
+    def gaps(layout, br, nq, nk, bc=128):
+        cls = classify_tiles(nq, nk, br, bc, Band(), layout)
+        n = 0
+        for col in cls.transpose(0, 2, 1).reshape(-1, cls.shape[1]):     # one key block of one head
+            live = np.flatnonzero(col != TILE_EMPTY)
+            n += int((col[live[0]:live[-1] + 1] == TILE_EMPTY).sum()) if live.size else 0
+        return n
+    assert gaps(_gappy_layout(), 64, 384, 384) >= 8 and gaps(_gappy_layout(), 128, 384, 384) >= 2
+    from sandbox.masks import BlockSparse
+    assert gaps(BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49)), 64, 97, 241) == 0   # the older case has none
+
+
 def _cases(dtype, d):
     """Non-causal (Nq < 64, Nk < 128, one tile each), large logits, causal GQA with dead rows (Nq > Nk),
-    dropout (causal, and with a window), block-sparse, a negative scale, and long ragged sequences (many Q
-    tiles per block: the double buffers, the deferred reductions, the work list across the group's heads;
-    at d = 64 and 128)."""
+    dropout (causal, and with a window), block-sparse (one with EMPTY tiles between a key block's visible ones,
+    per head, with GQA: the guessed next tile falls back to the skipping walk; also with dropout, Br = 64 at
+    d = 64), a negative scale, and long ragged sequences (many Q tiles per block: the double buffers, the
+    deferred reductions, the work list across the group's heads; at d = 64 and 128)."""
     from sandbox import fuzz
     from sandbox.masks import BlockSparse
     return [
@@ -391,6 +415,8 @@ def _cases(dtype, d):
         fuzz.Case(1, 4, 1, 257, 300, d, dtype, {"causal": True, "dropout_p": 0.3, "seed": 2**40 + 5, "offset": 7}, 3),
         fuzz.Case(1, 2, 2, 150, 240, d, dtype, {"window": (40, 7), "dropout_p": 0.5, "seed": 11}, 4, mean=0.5),
         fuzz.Case(1, 2, 1, 97, 241, d, dtype, {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 5),
+        fuzz.Case(1, 4, 2, 384, 384, d, dtype, {"block_mask": _gappy_layout()}, 9),
+        fuzz.Case(1, 4, 2, 384, 384, d, dtype, {"block_mask": _gappy_layout(), "dropout_p": 0.2, "seed": 4}, 10),
         fuzz.Case(1, 2, 2, 64, 90, d, dtype, {"scale": -0.3, "causal": True}, 6),
     ] + ([fuzz.Case(1, 4, 2, 700, 1030, d, dtype, {}, 7),
           fuzz.Case(2, 2, 2, 1000, 1000, d, dtype, {"causal": True}, 8)] if d in (64, 128) else [])
