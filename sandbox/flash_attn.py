@@ -24,6 +24,7 @@ device-resident cu_seqlens and dropout (sandbox/varlen.py says why).
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -90,19 +91,24 @@ def _fa_grad_scalar(s, b, h, i, j, cap, slopes, geom):
 
 
 _FA_SLOPE = "slopes[min(b, slopes_shape0 - 1) * slopes_shape1 + h]"
-_HOST_SLOPES: dict = {}       # (pointer, version, shape, dtype, device) -> host copy
+_HOST_SLOPES: dict = {}       # (pointer, version, shape, dtype, device) -> (weak reference to the tensor, host copy)
 
 
 def _host_slopes(t) -> np.ndarray:
     """The host values of an ALiBi slopes tensor. flash-attn takes them on the GPU; reading them is a
     device-to-host copy that waits for the stream, so a tensor seen before (same storage, shape and
-    in-place version) is read once, not on every call (models pass one fixed slopes buffer)."""
+    in-place version) is read once, not on every call (models pass one fixed slopes buffer). An entry
+    counts only while the tensor it was read from is alive: once that tensor is freed, its address (and
+    version 0) may come back with another tensor's values (seen in CI: a later test's slopes read as an
+    earlier test's)."""
     key = (t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
-    host = _HOST_SLOPES.get(key)
-    if host is None:
-        if len(_HOST_SLOPES) > 64:
-            _HOST_SLOPES.clear()
-        host = _HOST_SLOPES[key] = t.detach().cpu().numpy().astype(np.float64)
+    entry = _HOST_SLOPES.get(key)
+    if entry is not None and entry[0]() is not None:
+        return entry[1]
+    if len(_HOST_SLOPES) > 64:
+        _HOST_SLOPES.clear()
+    host = t.detach().cpu().numpy().astype(np.float64)
+    _HOST_SLOPES[key] = (weakref.ref(t), host)
     return host
 
 

@@ -145,6 +145,21 @@ def test_alibi_form_follows_flash_attns_effective_causality():
     np.testing.assert_array_equal(fa._host_slopes(slopes), [1.0, 0.5, 0.25, 0.125])
 
 
+def test_host_slopes_of_a_freed_tensor_are_not_reused():
+    """A cached host copy counts only while the tensor it was read from is alive: a new tensor that lands on a
+    freed one's address (same version 0, shape and dtype) is read again, not given the old values."""
+    import gc
+    import weakref
+    t = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    gone = torch.tensor([9.0, 9.0, 9.0, 9.0])
+    key = (t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
+    fa._HOST_SLOPES[key] = (weakref.ref(gone), np.full(4, 9.0))   # as if gone had lived at t's address
+    del gone
+    gc.collect()
+    np.testing.assert_array_equal(fa._host_slopes(t), [0.5, 0.25, 0.125, 0.0625])
+    assert fa._host_slopes(t) is fa._host_slopes(t)                               # alive: read once
+
+
 @pytest.mark.parametrize("fn", ["varlen", "kvcache"])
 def test_softcap_and_alibi_are_refused_where_problems_are_split(fn):
     q, k, v = _inputs(b=1)
