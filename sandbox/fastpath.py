@@ -117,7 +117,7 @@ def _run(launch, device, inputs: dict, seed, offset) -> dict:
     ptr = {name: x.data_ptr() for name, x in inputs.items()}
     bufs = {}
     for name, (shape, dt, zeroed) in launch.buffers.items():
-        if zeroed == COUNTERS and not stream_counters._capturing(stream):
+        if zeroed == COUNTERS and not stream_counters.capturing(stream):
             ptr[name] = stream_counters.zeroed(sys.modules["cupy"], math.prod(shape), stream).data.ptr
             continue                  # kept per stream, not an output (a capture takes fresh zeros below)
         b = bufs[name] = (torch.zeros if zeroed else torch.empty)(shape, dtype=_torch_dtype(dt), device=device)

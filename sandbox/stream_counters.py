@@ -32,7 +32,9 @@ MIN_COUNTERS = 1024
 _CUDA_STREAM_PER_THREAD = 2           # cudaStreamPerThread: one handle, a different stream per host thread
 
 
-def _capturing(stream) -> bool:
+def capturing(stream) -> bool:
+    """Whether `stream` is being captured into a CUDA graph (True where that cannot be read: fresh zeros are
+    always correct)."""
     if stream.ptr in (0, 1):          # the legacy stream cannot be captured
         return False
     try:
@@ -46,7 +48,7 @@ def zeroed(xp, n: int, stream=None):
     stream), which the launch must leave at zero."""
     if stream is None:
         stream = xp.cuda.get_current_stream()
-    if _capturing(stream):
+    if capturing(stream):
         return _zeros_on(xp, n, stream)
     key = (xp.cuda.runtime.getDevice(), stream.ptr,
            threading.get_ident() if stream.ptr == _CUDA_STREAM_PER_THREAD else None)
