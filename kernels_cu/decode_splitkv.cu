@@ -47,14 +47,15 @@
 // 19 shuffles (was 36 plus divergence checks).
 //
 // Kernels
-//   decode_splitkv<T, D, ROWS, PIPE>   grid (S splits, Hkv * ceil(G * Nq / ROWS), B), 128 threads.
+//   decode_splitkv<T, D, ROWS, PIPE>   grid (S splits, Hkv * ceil(G * Nq / ROWS), B), or with
+//       heads_inner = 1 the first two swapped, (row tiles, S, B); 128 threads.
 //       Split s of sequence b covers keys [s * chunk, min(L_b, (s + 1) * chunk)), further cut to the
 //       keys some row can see (causal and window as a band, bottom-right aligned per sequence:
 //       query i sees key j iff lo <= j - i - (L_b - Nq) <= hi, flash-attn's kvcache alignment).
 //       L_b = uniform_len when >= 0 (every sequence the same: no lengths array read), else seqlens[b].
 //       fused = 1 (default): S = 1 writes out and lse directly; otherwise each block writes its
 //       normalised partial O (fp32, only for rows that saw a key) and lse (-inf for the others),
-//       counts itself in counters[b, blockIdx.y] (fence, atomicAdd), and the block that counts S
+//       counts itself in counters[b, row tile] (fence, atomicAdd), and the block that counts S
 //       merges the tile's S partials into out and lse (weights exp(lse_s - max) staged in shared
 //       memory, 16 splits' 16-byte loads in flight per thread) and resets the counter to 0: the host
 //       keeps one counter buffer per stream, zeroed once (sandbox/decode.py _counters), so no launch
@@ -277,11 +278,12 @@ __global__ void __launch_bounds__(DEC_THREADS, ROWS == 4 ? (PIPE ? DEC_PIPE_MIN_
     int num_pages, int page_shift,                                            // pages in the cache, log2 page size
     float* __restrict__ o_part,                                               // [B, Hq, Nq, S, D] normalised partial O
     float* __restrict__ lse_part,                                             // [B, Hq, Nq, S] natural log
-    unsigned* __restrict__ counters,                                          // fused: [B, gridDim.y], zero between launches
+    unsigned* __restrict__ counters,                                          // fused: [B, row tiles], zero between launches
     int fused,                                                                // 1: merge here; 0: decode_merge merges
     T* __restrict__ out, float* __restrict__ lse,                             // fused: [B, Hq, Nq, D], [B, Hq, Nq]
     int Hq, int Hkv, int Nq, int chunk, float scale_log2, int band_lo, int band_hi,
-    int evict_first) {                                                        // L2 priority of the K/V stream
+    int evict_first,                                                          // L2 priority of the K/V stream
+    int heads_inner) {                                                        // grid order (below)
 
     using Shape = DecodeShape<D, ROWS, PIPE>;
     constexpr int LPK = Shape::LANES_PER_KEY, KPS = Shape::KEYS_PER_STEP, U = Shape::UNROLL;
@@ -296,8 +298,13 @@ __global__ void __launch_bounds__(DEC_THREADS, ROWS == 4 ? (PIPE ? DEC_PIPE_MIN_
     __shared__ int last_block;
     __shared__ __align__(16) float q_sm[Shape::Q_IN_SMEM ? ROWS : 1][D];
 
-    const int S = gridDim.x, s = blockIdx.x, b = blockIdx.z;
-    const int hkv = blockIdx.y % Hkv, row0 = (blockIdx.y / Hkv) * ROWS;
+    // grid (S, tiles, B), or (tiles, S, B) with heads_inner: then the blocks that start together are
+    // the K/V heads of one split, which read the same keys (the heads of a key are one row in
+    // flash-attn's (B, N, Hkv, d) cache)
+    const int S = heads_inner ? gridDim.y : gridDim.x, s = heads_inner ? blockIdx.y : blockIdx.x;
+    const int tiles = heads_inner ? gridDim.x : gridDim.y, tile_id = heads_inner ? blockIdx.x : blockIdx.y;
+    const int b = blockIdx.z;
+    const int hkv = tile_id % Hkv, row0 = (tile_id / Hkv) * ROWS;
     const int G = Hq / Hkv, R = G * Nq;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kg = lane / LPK, c = lane % LPK;        // key of the step, 16-byte column of the key row
@@ -620,12 +627,12 @@ __global__ void __launch_bounds__(DEC_THREADS, ROWS == 4 ? (PIPE ? DEC_PIPE_MIN_
     if (!fused || S == 1) return;
 
     // fused merge: the last block of this (sequence, row tile) to finish merges the S partials
-    // (the counter is per (b, blockIdx.y), zero at launch; that block resets it for the next launch on
+    // (the counter is per (b, tile_id), zero at launch; that block resets it for the next launch on
     // the stream; the fences order every block's partials before its count and the reads after it)
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        unsigned* ctr = counters + (long long)b * gridDim.y + blockIdx.y;
+        unsigned* ctr = counters + (long long)b * tiles + tile_id;
         const bool last = atomicAdd(ctr, 1u) == (unsigned)(S - 1);
         if (last) {
             atomicExch(ctr, 0u);

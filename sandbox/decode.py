@@ -141,6 +141,8 @@ L2_POLICIES = ("first", "normal")  # the L2 eviction priority of the streamed K/
 # 0.384 ms at N = 32k and 2.844 vs 2.868 ms at 256k, and 0.372 vs 0.384 ms at B = 1, 256k (session 4):
 # the evict-first hint costs 1-3% where nothing else wants the L2 (bench/results/h200/2026-11-26-session-6.md)
 DEFAULT_L2 = os.environ.get("SANDBOX_DECODE_L2", "normal")
+GRID_ORDERS = ("splits", "heads")   # which of (splits, row tiles) is the grid's x: the blocks scheduled together
+DEFAULT_ORDER = os.environ.get("SANDBOX_DECODE_ORDER", "splits")
 WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
@@ -315,7 +317,7 @@ def launch_plan(B: int, Hq: int, Hkv: int, Nq: int, d: int, dtype: str, max_len:
 
 
 def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=None, num_splits=None, pipe=None,
-            uniform_len=None, fused=None, l2=None):
+            uniform_len=None, fused=None, l2=None, order=None):
     """The kernel on CuPy arrays, on CuPy's current stream: q (B, Hq, Nq, d); k, v the cache
     (contiguous (B, Hkv, Nmax, d) or pages (P, Hkv, page_size, d) with block_table, a device int32
     (B, pages per sequence)); lens a device int32 (B,) of keys per sequence (None with uniform_len),
@@ -326,7 +328,9 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     1). fused: 1 one launch (the last block of each sequence and row tile merges the splits; one split
     writes out directly), 0 the split kernel and decode_merge (None: DEFAULT_FUSED,
     SANDBOX_DECODE_FUSED or 1). l2: the L2 priority of the K/V stream, "first" (evict-first) or
-    "normal" (None: DEFAULT_L2, SANDBOX_DECODE_L2 or "normal")."""
+    "normal" (None: DEFAULT_L2, SANDBOX_DECODE_L2 or "normal"). order: the grid's x axis, "splits"
+    (blocks that start together are the splits of one K/V head) or "heads" (the K/V heads and row
+    tiles of one split: they read the same keys) (None: DEFAULT_ORDER, SANDBOX_DECODE_ORDER)."""
     import cupy as xp
     from .launch import f32, i32, i64, strides4
     B, Hq, Nq, d = q.shape
@@ -343,6 +347,9 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     l2 = DEFAULT_L2 if l2 is None else l2
     if l2 not in L2_POLICIES:
         raise ValueError(f"l2 must be one of {L2_POLICIES}, got {l2!r}")
+    order = DEFAULT_ORDER if order is None else order
+    if order not in GRID_ORDERS:
+        raise ValueError(f"order must be one of {GRID_ORDERS}, got {order!r}")
     if lens is None and uniform_len is None:
         raise ValueError("splitkv needs lens or uniform_len")
     unit, name, S, chunk = launch_plan(B, Hq, Hkv, Nq, d, dtype, max_len, num_splits, pipe)
@@ -353,7 +360,8 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
         table, table_stride, num_pages, shift = block_table, block_table.shape[1], k.shape[0], page_size.bit_length() - 1
     else:
         table, table_stride, num_pages, shift = ints, 0, 1, 0                # never read
-    grid = (S, Hkv * -(-rows // tile), B)
+    tiles = Hkv * -(-rows // tile)
+    grid = (tiles, S, B) if order == "heads" else (S, tiles, B)
     out = xp.empty((B, Hq, Nq, d), dtype=q.dtype)
     lse = xp.empty((B, Hq, Nq), dtype=xp.float32)
     if fused and S == 1:                                                     # written directly: no partials
@@ -361,12 +369,13 @@ def splitkv(q, k, v, lens, max_len: int, scale: float, band: tuple, block_table=
     else:
         o_part = xp.empty((B, Hq, Nq, S, d), dtype=xp.float32)
         lse_part = xp.empty((B, Hq, Nq, S), dtype=xp.float32)
-        counters = stream_counters.zeroed(xp, B * grid[1]) if fused else ints
+        counters = stream_counters.zeroed(xp, B * tiles) if fused else ints
     loader.launch(unit, name, grid, (WARPS * 32,),
                   (q, *strides4(q)[:3], k, *strides4(k)[:3], v, *strides4(v)[:3], ints,
                    i32(-1 if uniform_len is None else uniform_len), i32(paged), table, i64(table_stride),
                    i32(num_pages), i32(shift), o_part, lse_part, counters, i32(fused), out, lse, i32(Hq), i32(Hkv),
-                   i32(Nq), i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1]), i32(l2 == "first")))
+                   i32(Nq), i32(chunk), f32(scale * LOG2E), i32(band[0]), i32(band[1]), i32(l2 == "first"),
+                   i32(order == "heads")))
     if not fused:
         loader.launch(unit, f"decode_merge<{KERNEL_CTYPE[dtype]}, {d}>", (B * Hq * Nq,), (WARPS * 32,),
                       (o_part, lse_part, out, lse, i32(S)))
