@@ -16,10 +16,13 @@ softcap * tanh(s / softcap) first, then ALiBi, slope * j where flash-attn's kern
 causal (an unbounded left window and right = 0: `_alibi_causal_form`) and -slope * |i + Nk - Nq - j|
 otherwise (the two forms differ by a per-row constant, which the softmax ignores but the lse keeps).
 Slopes given as a CUDA tensor are read to the host once per tensor and in-place version. What the kernels do not offer is
-refused with a ValueError naming the argument rather than ignored: return_attn_probs (the
-probabilities are never materialised), a paged block_table; softcap and alibi_slopes in the varlen
-and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
-device-resident cu_seqlens and dropout (sandbox/varlen.py says why).
+refused with a ValueError naming the argument rather than ignored: return_attn_probs with dropout
+(the probabilities and the dropout pattern are never materialised; without dropout it returns
+(out, softmax_lse, None), as flash-attn does), a paged block_table; softcap and alibi_slopes in the
+varlen and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
+dropout (sandbox/varlen.py says why). The varlen function takes cu_seqlens on the GPU, as flash-attn's
+callers pass them, by copying them to the host: that copy waits for the caller's stream (host
+offsets avoid it).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ def _window(window_size):
     return None if left is None and right is None else (left, right)
 
 
-def _refuse(softcap, alibi_slopes, return_attn_probs, where=None):
+def _refuse(softcap, alibi_slopes, where=None):
     """where: the function that takes no modifiers (varlen, kvcache), or None (softcap and ALiBi run)."""
     if where is not None and softcap:
         raise ValueError(f"softcap={softcap!r} is not supported by {where} (packed and split problems take "
@@ -53,8 +56,18 @@ def _refuse(softcap, alibi_slopes, return_attn_probs, where=None):
     if where is not None and alibi_slopes is not None:
         raise ValueError(f"alibi_slopes is not supported by {where} (packed and split problems take no "
                          "modifiers; pass None)")
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported: the kernels never materialise the probabilities")
+
+
+def _probs_refusal(return_attn_probs, dropout_p):
+    """flash-attn returns (out, softmax_lse, S_dmask) with return_attn_probs=True, S_dmask None without dropout;
+    with dropout it holds the probabilities and the kernel's dropout pattern (for its tests), which these
+    kernels never materialise."""
+    if not isinstance(return_attn_probs, bool):
+        raise OptionTypeError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
+    if return_attn_probs and dropout_p:
+        raise ValueError("return_attn_probs=True with dropout_p > 0 is not supported: the kernels never materialise "
+                         "the probabilities or the dropout pattern (sandbox.philox.dropout_mask gives the pattern); "
+                         "with dropout_p = 0 it returns (out, softmax_lse, None), as flash-attn does")
 
 
 # ---- softcap and ALiBi as one score modifier, in flash-attn's meaning (module docstring)
@@ -162,7 +175,8 @@ def _variant(variant, deterministic, dtype):
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, variant=None, **params):
     """softmax(scale q k^T) v over (B, N, H, d) tensors, differentiable; returns (B, Nq, Hq, d)."""
-    _refuse(softcap, alibi_slopes, return_attn_probs)
+    _refuse(softcap, alibi_slopes)
+    _probs_refusal(return_attn_probs, dropout_p)
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
         if x.dim() != 4:
             raise ValueError(f"{nm} must be (batch, seqlen, heads, d); got shape {tuple(x.shape)}")
@@ -172,11 +186,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if "score_mod" in params:
             raise ValueError("pass either softcap / alibi_slopes or score_mod, not both")
         params = dict(params, score_mod=mod)
-    out = st.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                       variant=_variant(variant, deterministic, q.dtype), causal=causal, scale=softmax_scale,
-                       dropout_p=dropout_p, window=_window(window_size), enable_gqa=q.shape[2] != k.shape[2],
-                       **params)
-    return out.transpose(1, 2).contiguous()
+    out, lse = st.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            variant=_variant(variant, deterministic, q.dtype), causal=causal, scale=softmax_scale,
+                            dropout_p=dropout_p, window=_window(window_size), enable_gqa=q.shape[2] != k.shape[2],
+                            return_lse=True, **params)
+    out = out.transpose(1, 2).contiguous()
+    return (out, lse, None) if return_attn_probs else out
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -199,14 +214,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            **params):
     """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), host cu_seqlens; returns (total_q, Hq, d).
     One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
-    _refuse(softcap, alibi_slopes, return_attn_probs, "flash_attn_varlen_func")
+    _refuse(softcap, alibi_slopes, "flash_attn_varlen_func")
+    _probs_refusal(return_attn_probs, dropout_p)
     if block_table is not None:
         raise ValueError("block_table (a paged KV cache) is not supported yet (pass None)")
     if dropout_p:
         raise ValueError("dropout_p > 0 is not supported for packed sequences yet (sandbox/varlen.py)")
-    return st.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                               variant=_variant(variant, deterministic, q.dtype), causal=causal,
-                               scale=softmax_scale, window=_window(window_size), **params)
+    out, lse = st.varlen_attention(q, k, v, _host_offsets(cu_seqlens_q), _host_offsets(cu_seqlens_k),
+                                   int(max_seqlen_q), int(max_seqlen_k),
+                                   variant=_variant(variant, deterministic, q.dtype), causal=causal,
+                                   scale=softmax_scale, window=_window(window_size), return_lse=True, **params)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _host_offsets(cu):
+    """cu_seqlens as sandbox.varlen takes them (on the host). flash-attn's callers keep them on the GPU (its
+    kernels read them there); they are copied to the host here, a copy that waits for the work queued on
+    the caller's current stream (the one wait in this module; pass a list or CPU tensor to avoid it)."""
+    if torch.is_tensor(cu) and cu.device.type != "cpu":
+        return cu.to("cpu")
+    return cu
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -221,7 +248,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     aligned). num_splits=0 is automatic (decode.forward's num_splits=None). Rotary embeddings,
     cache_batch_idx and cache_leftpad are refused by name. Returns out (B, Nq, Hq, d) [, lse
     (B, Hq, Nq)]; no autograd."""
-    _refuse(softcap, alibi_slopes, False, "flash_attn_with_kvcache")
+    _refuse(softcap, alibi_slopes, "flash_attn_with_kvcache")
     for name, value in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
                         ("cache_leftpad", cache_leftpad)):
         if value is not None:

@@ -211,6 +211,18 @@ def get_kernel(unit: CompileUnit, name: str):
     return kernel
 
 
+GRID_LIMITS = (2**31 - 1, 65535, 65535)      # CUDA's blocks per grid axis (x, y, z)
+
+
+def check_grid(name: str, grid) -> None:
+    """ValueError (before the launch, instead of the driver's 'invalid argument') for a grid past CUDA's
+    limits: the kernels put batch x heads (or batch) on y or z, so a batch of many heads can reach 65535."""
+    for axis, n, limit in zip("xyz", grid, GRID_LIMITS):
+        if n > limit:
+            raise ValueError(f"{name}: the launch needs {n} blocks along grid {axis}, past CUDA's {limit} (the "
+                             "kernels put batch x heads on y or z): split the batch into smaller calls")
+
+
 def launch(unit: CompileUnit, name: str, grid, block, args, shared_mem: int = 0):
     """Launch with every scalar already typed (np.int32 / np.float32 / np.uint64 ...)."""
     for a in args:
@@ -220,6 +232,7 @@ def launch(unit: CompileUnit, name: str, grid, block, args, shared_mem: int = 0)
     grid = tuple(int(g) for g in grid)
     if min(grid) == 0:
         return
+    check_grid(name, grid)
     get_kernel(unit, name)(grid, tuple(int(b) for b in block), tuple(args), shared_mem=int(shared_mem))
 
 
@@ -252,6 +265,7 @@ class PackedLaunch:
     def __init__(self, kernel, grid, block, shared_mem: int, args):
         self.kernel, self.args = kernel, tuple(args)
         self.grid = tuple(int(g) for g in (tuple(grid) + (1, 1))[:3])
+        check_grid(getattr(kernel, "name", "kernel"), self.grid)
         self.block = tuple(int(b) for b in (tuple(block) + (1, 1))[:3])
         self.shared_mem = int(shared_mem)
         self.cupy_path = os.environ.get("SANDBOX_LAUNCH") == "cupy"

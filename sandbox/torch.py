@@ -162,7 +162,7 @@ class _AttentionMods(torch.autograd.Function):
 # ---- the public entry point
 
 def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0, window=None, block_mask=None,
-              enable_gqa=False, generator=None, score_mod=None, mask_mod=None, **params):
+              enable_gqa=False, generator=None, score_mod=None, mask_mod=None, return_lse=False, **params):
     """softmax(mask(scale q k^T)) v with dropout, differentiable, in SDPA's (B, H, N, d) convention.
 
     variant: a registered name (None: fa2-tc for fp16 / bf16, fa2 for fp32); `**params` its parameters.
@@ -171,8 +171,11 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
     score_mod / mask_mod: sandbox.modifiers.ScoreMod / MaskMod (issue 18) for variants whose capabilities
     list them (fa2-tc compiles them into its kernels); eager only: the torch.compile custom ops take
     plain values, so under torch.compile they raise a ValueError.
-    Returns out (B, Hq, Nq, d) in q's dtype.
+    Returns out (B, Hq, Nq, d) in q's dtype; with return_lse=True (out, lse), lse (B, Hq, Nq) float32 in
+    natural log (not differentiable: no gradient flows back through it).
     """
+    if not isinstance(return_lse, bool):
+        raise OptionTypeError(f"return_lse must be a bool, got {return_lse!r}")
     if not isinstance(enable_gqa, bool):
         raise OptionTypeError(f"enable_gqa must be a bool, got {enable_gqa!r}")
     if q.dim() == 4 and k.dim() == 4 and q.shape[1] != k.shape[1] and not enable_gqa:
@@ -208,17 +211,17 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
             raise ValueError("score_mod / mask_mod run on the eager route only: the torch.compile custom ops "
                              "(sandbox::attention_fwd) take plain values, not modifier objects")
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, _ = _AttentionMods.apply(q, k, v, seed, (score_mod, mask_mod), *options)
+            out, lse = _AttentionMods.apply(q, k, v, seed, (score_mod, mask_mod), *options)
         else:
-            out, _ = _forward(q, k, v, seed, *options, score_mod, mask_mod)
-        return out
+            out, lse = _forward(q, k, v, seed, *options, score_mod, mask_mod)
+        return (out, lse) if return_lse else out
     if torch.compiler.is_compiling():
-        out, _ = attention_fwd(q, k, v, seed, *options)
+        out, lse = attention_fwd(q, k, v, seed, *options)
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, _ = _Attention.apply(q, k, v, seed, *options)
+        out, lse = _Attention.apply(q, k, v, seed, *options)
     else:                               # nothing to differentiate: no autograd node to build
-        out, _ = _forward(q, k, v, seed, *options)
-    return out
+        out, lse = _forward(q, k, v, seed, *options)
+    return (out, lse) if return_lse else out
 
 
 # ---- packed variable-length batches (sandbox/varlen.py)
@@ -240,9 +243,10 @@ class _Varlen(torch.autograd.Function):
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *, variant=None,
-                     causal=False, scale=None, window=None, **params):
+                     causal=False, scale=None, window=None, return_lse=False, **params):
     """Attention over packed sequences in flash-attn's varlen layout, differentiable: q (total_q, Hq, d),
-    k and v (total_k, Hkv, d), cu_seqlens_q / cu_seqlens_k host offsets (S + 1). Returns out like q.
+    k and v (total_k, Hkv, d), cu_seqlens_q / cu_seqlens_k host offsets (S + 1). Returns out like q, or
+    with return_lse=True (out, lse), lse (Hq, total_q) float32 (flash-attn's varlen layout; no gradient).
     Every option applies within each sequence (sandbox/varlen.py: one launch for the batch with fa2-tc's
     kernel on CUDA fp16 / bf16, else one per sequence, `single_launch=False` forcing that; the backward per
     sequence; no dropout)."""
@@ -251,11 +255,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                        scale=scale, window=window, **params)
     else:
         raise OptionTypeError(f"variant must be a registered variant's name, got {type(variant).__name__}")
+    if not isinstance(return_lse, bool):
+        raise OptionTypeError(f"return_lse must be a bool, got {return_lse!r}")
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, _ = _Varlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+        out, lse = _Varlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     else:
-        out, _ = varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
-    return out
+        out, lse = varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, **options)
+    return (out, lse) if return_lse else out
 
 
 # ---- transformers

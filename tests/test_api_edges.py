@@ -81,3 +81,13 @@ def test_torch_tensors_are_a_kind_even_when_they_require_grad():
     t = torch.zeros(2, 3, requires_grad=True)
     assert arrays.kind_of(t) == "torch"                    # torch's interface raises; no hasattr probe
     assert arrays.to_host(t.to(torch.bfloat16)).dtype.name == "bfloat16"
+
+
+def test_a_grid_past_cudas_limits_is_a_value_error_before_the_launch():
+    """batch x heads goes on grid y or z in the kernels: past 65535 blocks the launch would fail with the
+    driver's 'invalid argument'; it is a ValueError naming the axis and the way out instead."""
+    from sandbox import loader
+    loader.check_grid("k", (2**31 - 1, 65535, 65535))
+    for grid, axis in (((1, 65536, 1), "y"), ((1, 1, 70000), "z"), ((2**31, 1, 1), "x")):
+        with pytest.raises(ValueError, match=f"grid {axis}.*split the batch"):
+            loader.check_grid("k", grid)

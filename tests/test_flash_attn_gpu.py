@@ -56,3 +56,32 @@ def test_softcap_and_alibi_on_the_gpu(variant, dtype, causal, softcap, alibi):
         scale = b.abs().max().item() + 1e-6
         err = (a.float() - b).abs().max().item() / scale
         assert err < (3e-2 if dtype == torch.bfloat16 else 1e-2), f"d{name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_takes_device_cu_seqlens_and_returns_lse(dtype):
+    """As flash-attn's callers call it: cu_seqlens as CUDA int32 tensors, return_attn_probs=True ->
+    (out, lse (Hq, total_q), None); each sequence against the float32 reference alone, gradients too."""
+    g = torch.Generator("cuda").manual_seed(3)
+    lens = [5, 130, 64, 1]
+    total, hq, hkv, d = sum(lens), 4, 2, 64
+    q = torch.randn(total, hq, d, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(total, hkv, d, device="cuda", dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                  return_attn_probs=True)
+    assert s_dmask is None and out.dtype == dtype and lse.shape == (hq, total) and lse.dtype == torch.float32
+    go = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    eps = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    offs = [0] + torch.tensor(lens).cumsum(0).tolist()
+    for a, b in zip(offs[:-1], offs[1:]):
+        qs, ks, vs = (x.detach()[a:b][None].float().requires_grad_() for x in (q, k, v))
+        ref = _reference(qs, ks, vs, True, 0.0, None)
+        torch.testing.assert_close(out[a:b].float(), ref[0], rtol=8 * eps, atol=8 * eps)
+        rg = torch.autograd.grad(ref, (qs, ks, vs), go[a:b][None].float())
+        for mine, theirs in zip(grads, rg):
+            torch.testing.assert_close(mine[a:b].float(), theirs[0], rtol=16 * eps, atol=16 * eps)
+        s = (qs[0].transpose(0, 1) @ ks[0].repeat_interleave(hq // hkv, 1).permute(1, 2, 0)) * d ** -0.5
+        s = s.masked_fill(torch.ones(b - a, b - a, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+        torch.testing.assert_close(lse[:, a:b], torch.logsumexp(s, -1).detach(), rtol=1e-3, atol=1e-3)

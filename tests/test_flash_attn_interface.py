@@ -74,7 +74,8 @@ def test_varlen_is_each_sequence_alone():
 @pytest.mark.parametrize("kwargs,match", [({"softcap": -1.0}, "softcap"), ({"softcap": float("inf")}, "softcap"),
                                           ({"alibi_slopes": torch.ones(3)}, "alibi_slopes"),
                                           ({"alibi_slopes": torch.ones(3, 4)}, "alibi_slopes"),
-                                          ({"return_attn_probs": True}, "probabilities"),
+                                          ({"return_attn_probs": True, "dropout_p": 0.1}, "probabilities"),
+                                          ({"return_attn_probs": 1}, "return_attn_probs"),
                                           ({"window_size": 3}, "window_size")])
 def test_refusals_name_the_argument(kwargs, match):
     q, k, v = _inputs()
@@ -224,3 +225,38 @@ def test_varlen_refuses_modifiers():
     cu = [0, 3, 8]
     with pytest.raises(ValueError, match="score_mod"):
         fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, variant=VARIANT, score_mod=modifiers.softcap(5.0))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_attn_probs_gives_out_lse_and_none_as_flash_attn(causal):
+    """flash-attn's return_attn_probs=True without dropout: (out, softmax_lse (B, Hq, Nq) float32, None); the
+    output still differentiable, the lse not."""
+    q, k, v = _inputs(nq=5, nk=9)
+    out, lse, s_dmask = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, variant=VARIANT)
+    ref, ref_lse = _reference(q, k, v, causal)
+    assert s_dmask is None and lse.shape == (2, 4, 5) and lse.dtype == torch.float32 and not lse.requires_grad
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    go = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (q, k, v), go)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    q, k, v = _inputs(hq=2, hkv=2)
+    out, lse, s_dmask = fa.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2), causal=causal,
+                                                     return_attn_probs=True, variant=VARIANT)
+    ref, ref_lse = _reference(q, k, v, causal)
+    assert s_dmask is None
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_return_attn_probs_gives_lse_per_head_and_token():
+    """flash-attn's varlen lse layout: (Hq, total_q), each sequence's rows its own softmax."""
+    q, k, v = _inputs(b=1, nq=10, nk=10, hq=2, hkv=2)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, lse, s_dmask = fa.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 6, 6, causal=True,
+                                                  return_attn_probs=True, variant=VARIANT)
+    assert s_dmask is None and lse.shape == (2, 10)
+    for a, b in ((0, 4), (4, 10)):
+        ref, ref_lse = _reference(q[:, a:b], k[:, a:b], v[:, a:b], True)
+        torch.testing.assert_close(out[a:b], ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, a:b], ref_lse[0], rtol=1e-5, atol=1e-5)
