@@ -147,7 +147,14 @@ WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
 MAX_SPLITS = 256
-SPLIT_OVERHEAD_KEYS = 128         # a block's fixed cost (launch, q, block merge, partial O) in keys streamed
+# The plan's two constants, from a sweep of S on the H100 (Nq = 1, Hq 32 / Hkv 8, d = 128, fp16; session 11,
+# bench/results/h100/2026-11-26-session-11.md): two resident blocks per SM already draw the copy bandwidth, and
+# a wave of blocks costs ~130-220 keys of streaming more than its keys (launch, pipeline fill, merge). The old
+# plan filled waves of all 4 resident blocks with short splits; one wave at 2 per SM with long splits was
+# 1-2% faster wherever the cache is long (B = 8, 256k: S = 4, 2.777 ms, against S = 33, 2.843 ms; SDPA flash
+# 2.777 ms in the same run).
+SPLIT_OVERHEAD_KEYS = 512         # a wave's fixed cost (launch, q, pipeline fill, merge) in keys streamed
+SATURATING_BLOCKS_PER_SM = 2      # resident blocks per SM that reach the memory bandwidth
 BLOCKS_PER_SM_TARGET = 3          # resident blocks per SM assumed without a compiled kernel to ask
 DEFAULT_SM_COUNT = 132            # an H100 SXM's, for planning without a GPU
 
@@ -175,9 +182,9 @@ def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int
     Decoding is memory-bound: the grid must fill the GPU even when B * Hkv is small (B = 1: 8 blocks
     for 132 SMs without splits), and every wave of resident blocks should be full: blocks of one
     split length finish together, so a last wave of 132 blocks on 396 slots (the old plan at B = 1,
-    N = 256k: 528 blocks at 3 per SM) runs the GPU a third full for a third of the time. With
-    `blocks_per_sm` resident blocks per SM (the compiled kernel's occupancy; BLOCKS_PER_SM_TARGET
-    without one), S minimises waves x (chunk + SPLIT_OVERHEAD_KEYS), waves = ceil(blocks / slots),
+    N = 256k: 528 blocks at 3 per SM) runs the GPU a third full for a third of the time. A wave is
+    `wave_blocks_per_sm(blocks_per_sm)` blocks per SM (the compiled kernel's occupancy, at most the 2
+    that reach the bandwidth), and S minimises waves x (chunk + SPLIT_OVERHEAD_KEYS), waves = ceil(blocks / slots),
     over 1 .. min(MAX_SPLITS, max_len / MIN_KEYS_PER_SPLIT) (the smallest such S on ties);
     `num_splits`, if given, caps S instead. The chunk is rounded up to a whole number of the block's
     loop iterations and S recomputed from it, so no split is empty for the longest sequence (shorter
@@ -195,7 +202,7 @@ def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int
     base = B * Hkv * -(-rows // tile)
     if num_splits is not None:
         return shape(min(int(num_splits), MAX_SPLITS))
-    slots = (sm_count or DEFAULT_SM_COUNT) * max(1, blocks_per_sm or BLOCKS_PER_SM_TARGET)
+    slots = (sm_count or DEFAULT_SM_COUNT) * wave_blocks_per_sm(blocks_per_sm)
     best = None
     for s in range(1, max(1, min(MAX_SPLITS, max_len // MIN_KEYS_PER_SPLIT)) + 1):
         S, chunk = shape(s)
@@ -203,6 +210,12 @@ def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int
         if best is None or cost < best[0]:
             best = (cost, S, chunk)
     return best[1], best[2]
+
+
+def wave_blocks_per_sm(blocks_per_sm: int | None) -> int:
+    """Blocks per SM in one wave of the plan: the resident ones (BLOCKS_PER_SM_TARGET without a kernel to
+    ask), at most SATURATING_BLOCKS_PER_SM."""
+    return max(1, min(blocks_per_sm or BLOCKS_PER_SM_TARGET, SATURATING_BLOCKS_PER_SM))
 
 
 def kernel_name(dtype: str, d: int, rows: int, pipe: int = 1) -> str:

@@ -144,7 +144,7 @@ def test_plan_splits_covers_every_key_once(B, Hkv, rows, d, max_len):
         assert S == 1 or chunk >= min(decode.MIN_KEYS_PER_SPLIT, max_len) - per_iter
     blocks = B * Hkv * -(-rows // decode.row_tile(rows)) * S
     # the GPU is filled, unless the splits are already as short as allowed (or as many)
-    slots = decode.BLOCKS_PER_SM_TARGET * 132
+    slots = decode.wave_blocks_per_sm(None) * 132
     assert (blocks >= 0.9 * slots or chunk < 2 * decode.MIN_KEYS_PER_SPLIT + per_iter or S == decode.MAX_SPLITS)
     # every wave of resident blocks at least 3/4 full once there are enough keys to split
     if max_len >= 32768:
@@ -153,13 +153,21 @@ def test_plan_splits_covers_every_key_once(B, Hkv, rows, d, max_len):
 
 
 def test_plan_splits_fills_whole_waves():
-    # B = 1, Hkv = 8, N = 256k on 132 SMs x 3 blocks: the old plan (66 splits, 528 blocks) left a
-    # last wave of 132 blocks on 396 slots
-    S, _ = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132, blocks_per_sm=3)
-    assert (8 * S) % 396 == 0 or 8 * S / (-(-8 * S // 396) * 396) >= 0.95
-    S4, _ = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132, blocks_per_sm=4)
-    assert 8 * S4 / (-(-8 * S4 // 528) * 528) >= 0.95
+    # B = 1, Hkv = 8, N = 256k on 132 SMs: the first plan (66 splits, 528 blocks at 3 per SM) left a last
+    # wave of 132 blocks on 396 slots; a wave is now 2 blocks per SM, whatever the occupancy above it
+    for per_sm in (2, 3, 4):
+        S, _ = decode.plan_splits(1, 8, 4, 128, 1 << 18, sm_count=132, blocks_per_sm=per_sm)
+        assert 8 * S / (-(-8 * S // 264) * 264) >= 0.95
+    assert decode.wave_blocks_per_sm(1) == 1 and decode.wave_blocks_per_sm(4) == 2
     assert decode.keys_per_iter(128, 4, 0) == 32 and decode.keys_per_iter(128, 4, 1) == 16
+
+
+@pytest.mark.parametrize("B,N,best", [(8, 1 << 15, 4), (8, 1 << 16, 4), (8, 1 << 18, 4), (1, 1 << 15, 33),
+                                      (1, 1 << 18, 33), (64, 4096, 1), (64, 1 << 15, 1)])
+def test_plan_splits_takes_the_measured_best(B, N, best):
+    """The split counts the H100 sweep measured fastest (session 11: Nq = 1, Hq 32 / Hkv 8, d = 128, the
+    kernel's 4 resident blocks per SM): one wave of long splits at 2 blocks per SM."""
+    assert decode.plan_splits(B, 8, 4, 128, N, sm_count=132, blocks_per_sm=4)[0] == best
 
 
 def test_resident_blocks():
