@@ -13,15 +13,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import arrays, fastpath
+from . import arrays, device, fastpath
 from .precision import dtype_name
 from .philox import check_offset, check_seed
 from .problem import OptionTypeError, Problem, make_problem
 from .registry import BoundVariant, get_variant
 
-# variant=None: the fastest exact variant for fp32, the tensor-core one for fp16 / bf16
+# variant=None: the fastest exact variant for fp32, the tensor-core one for fp16 / bf16 (default_variant:
+# on an sm_90 GPU the Hopper rung fa3 instead, for every head dim it takes)
 DEFAULT_VARIANTS = {"float32": "fa2", "float16": "fa2-tc", "bfloat16": "fa2-tc"}
 DEFAULT_VARIANT = DEFAULT_VARIANTS["float32"]
+HOPPER_DEFAULT = "fa3"
+HOPPER_DEFAULT_DIMS = range(8, 257, 8)          # fa3's head dims (its capabilities)
+
+
+def _device_index(x) -> int | None:
+    """The GPU a CuPy or torch CUDA array lives on; None for host arrays."""
+    kind = arrays.kind_of(x)
+    if kind == "cupy":
+        return int(x.device.id)
+    if kind == "torch" and x.device.type == "cuda":
+        return int(x.device.index if x.device.index is not None else 0)
+    return None
+
+
+def default_variant(like=None) -> str:
+    """The variant that variant=None means for an input like `like`: DEFAULT_VARIANTS by dtype (fa2 for fp32,
+    fa2-tc for fp16 / bf16), except fp16 / bf16 device arrays on an sm_90 GPU (H100, H200) whose head dim
+    fa3 takes (8..256, step 8): fa3, the fastest rung there and the one that takes head dims past 128."""
+    if like is None:
+        return DEFAULT_VARIANT
+    dtype = dtype_name(like)
+    name = DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANT)
+    if dtype in ("float16", "bfloat16") and like.shape[-1] in HOPPER_DEFAULT_DIMS:
+        index = _device_index(like)
+        if index is not None and device.compute_capability(index) == (9, 0):
+            return HOPPER_DEFAULT
+    return name
 
 
 @dataclass
@@ -42,9 +70,7 @@ class Result:
 
 
 def _resolve(variant, params, like=None) -> BoundVariant:
-    if variant is None:
-        variant = DEFAULT_VARIANTS.get(dtype_name(like), DEFAULT_VARIANT) if like is not None else DEFAULT_VARIANT
-    return get_variant(variant, **params)
+    return get_variant(default_variant(like) if variant is None else variant, **params)
 
 
 def _backend_arrays(bound: BoundVariant, xs, names):

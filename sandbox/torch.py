@@ -165,7 +165,8 @@ def attention(q, k, v, *, variant=None, causal=False, scale=None, dropout_p=0.0,
               enable_gqa=False, generator=None, score_mod=None, mask_mod=None, return_lse=False, **params):
     """softmax(mask(scale q k^T)) v with dropout, differentiable, in SDPA's (B, H, N, d) convention.
 
-    variant: a registered name (None: fa2-tc for fp16 / bf16, fa2 for fp32); `**params` its parameters.
+    variant: a registered name (None: sandbox.api.default_variant, fa3 for fp16 / bf16 on an sm_90 GPU, else
+    fa2-tc, fa2 for fp32); `**params` its parameters.
     enable_gqa: as in SDPA, needed when k and v have fewer heads than q.
     generator: a CPU torch.Generator for the dropout seed (default: torch's default CPU generator).
     score_mod / mask_mod: sandbox.modifiers.ScoreMod / MaskMod (issue 18) for variants whose capabilities

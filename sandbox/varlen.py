@@ -14,7 +14,7 @@ flash-attn; a query row whose sequence has no keys is a dead row (out 0, lse -in
 How, two paths:
 - single launch (fa2-tc's forward, variants/fa2_tc.py forward_varlen, kernels_cu/fa2_tc.cu FA_VARLEN):
   taken where the variant's impl has that kernel (`varlen_forward`: fa2-tc and fa2-tc-deterministic,
-  or variant=None, whose default for fp16 / bf16 is fa2-tc) and the inputs are CUDA fp16 / bf16 of
+  or variant=None, whose default for fp16 / bf16 is fa2-tc up to d = 128, `default_variant`) and the inputs are CUDA fp16 / bf16 of
   a head dim the kernel takes (a multiple of 8 up to 128), without block_mask. The packed arrays are
   read in place; a host table maps each thread block to (sequence, Q tile), longest band first, and
   carries each sequence's offsets, lengths and band; it goes to the device by one asynchronous copy
@@ -121,6 +121,16 @@ def _fill(x, value) -> None:
         x[...] = value
 
 
+def default_variant(q) -> str:
+    """variant=None for a packed batch: the dtype's DEFAULT_VARIANTS entry (fa2-tc for fp16 / bf16, whose
+    packed-sequence kernel takes the batch in one launch) up to its head dims, past them api.default_variant
+    (fa3 on an sm_90 GPU); one name for the forward and the backward of a call."""
+    name = api.DEFAULT_VARIANTS.get(dtype_name(q), api.DEFAULT_VARIANT)
+    if name == "fa2-tc" and q.shape[-1] > SINGLE_LAUNCH_MAX_D:
+        return api.default_variant(q)
+    return name
+
+
 def _single_launch_variant(q, k, v, variant, params):
     """The bound variant whose packed-sequence kernel takes this call, or None (the per-sequence path).
     The variant's parameters are checked here as the per-sequence path's api.forward would check them."""
@@ -135,7 +145,7 @@ def _single_launch_variant(q, k, v, variant, params):
     if d % 8 or d > SINGLE_LAUNCH_MAX_D or q.shape[1] % k.shape[1]:
         return None
     rest = {key: val for key, val in params.items() if key not in ("block_mask", "seed", "offset")}
-    bound = get_variant(variant if variant is not None else api.DEFAULT_VARIANTS[dtype_name(q)], **rest)
+    bound = get_variant(variant if variant is not None else default_variant(q), **rest)
     return bound if getattr(bound.variant.impl, "varlen_forward", False) else None
 
 
@@ -206,6 +216,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
                     params.get("score_mod"), params.get("mask_mod"))
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
+    variant = default_variant(q) if variant is None else variant
     bound = _single_launch_variant(q, k, v, variant, params) if single_launch else None
     if bound is not None:
         return _forward_single(q, k, v, lq, lk, bound, causal, scale, window)
@@ -235,6 +246,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     either forward path: the same layout). single_launch: the forward's switch, unused here."""
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
+    variant = default_variant(q) if variant is None else variant
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
                          f"{tuple(out.shape)}")

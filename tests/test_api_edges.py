@@ -91,3 +91,22 @@ def test_a_grid_past_cudas_limits_is_a_value_error_before_the_launch():
     for grid, axis in (((1, 65536, 1), "y"), ((1, 1, 70000), "z"), ((2**31, 1, 1), "x")):
         with pytest.raises(ValueError, match=f"grid {axis}.*split the batch"):
             loader.check_grid("k", grid)
+
+
+def test_default_variant_by_dtype_device_and_head_dim(monkeypatch):
+    """variant=None: fa2 for fp32, fa2-tc for fp16 / bf16, fa3 for fp16 / bf16 device arrays on an sm_90 GPU
+    with a head dim fa3 takes (past 128 too); packed batches keep fa2-tc up to d = 128 (one launch)."""
+    torch = pytest.importorskip("torch")
+    from sandbox import api, device, varlen
+    x = lambda d, dt=torch.float16: torch.zeros(1, 2, 3, d, dtype=dt)   # noqa: E731
+    assert api.default_variant(x(64)) == "fa2-tc" and api.default_variant(x(64, torch.float32)) == "fa2"
+    assert api.default_variant(None) == api.DEFAULT_VARIANT
+    monkeypatch.setattr(api, "_device_index", lambda like: 0)            # as if x lived on GPU 0
+    for cc, d, dt, want in (((9, 0), 64, torch.float16, "fa3"), ((9, 0), 256, torch.bfloat16, "fa3"),
+                            ((9, 0), 59, torch.float16, "fa2-tc"), ((9, 0), 64, torch.float32, "fa2"),
+                            ((8, 0), 64, torch.float16, "fa2-tc"), ((10, 0), 128, torch.float16, "fa2-tc")):
+        monkeypatch.setattr(device, "compute_capability", lambda index=None, cc=cc: cc)
+        assert api.default_variant(x(d, dt)) == want, (cc, d, dt)
+    monkeypatch.setattr(device, "compute_capability", lambda index=None: (9, 0))
+    assert varlen.default_variant(torch.zeros(5, 2, 64, dtype=torch.float16)) == "fa2-tc"
+    assert varlen.default_variant(torch.zeros(5, 2, 256, dtype=torch.float16)) == "fa3"

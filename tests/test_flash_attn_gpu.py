@@ -85,3 +85,26 @@ def test_varlen_takes_device_cu_seqlens_and_returns_lse(dtype):
         s = (qs[0].transpose(0, 1) @ ks[0].repeat_interleave(hq // hkv, 1).permute(1, 2, 0)) * d ** -0.5
         s = s.masked_fill(torch.ones(b - a, b - a, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
         torch.testing.assert_close(lse[:, a:b], torch.logsumexp(s, -1).detach(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.get_device_capability() != (9, 0), reason="the default takes fa3 on sm_90 only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_default_variant_takes_gemma_shapes_on_hopper(dtype):
+    """A Gemma-2-like call with no variant named: d = 256, GQA, softcap 50, causal: variant=None resolves to
+    fa3 on sm_90 (fa2-tc stops at d = 128); out and gradients against the float32 formulas."""
+    import sandbox.torch as st
+    from sandbox import api
+    g = torch.Generator("cuda").manual_seed(5)
+    q = torch.randn(2, 300, 8, 256, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    k, v = (torch.randn(2, 300, 4, 256, device="cuda", dtype=dtype, generator=g).requires_grad_() for _ in range(2))
+    assert api.default_variant(q) == "fa3"
+    out = fa.flash_attn_func(q, k, v, causal=True, softcap=50.0)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref = _reference(qf, kf, vf, True, 50.0, None)
+    eps = 2**-7 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out.float(), ref, rtol=8 * eps, atol=8 * eps)
+    go = torch.randn_like(out)
+    for mine, theirs in zip(torch.autograd.grad(out, (q, k, v), go), torch.autograd.grad(ref, (qf, kf, vf), go.float())):
+        torch.testing.assert_close(mine.float(), theirs, rtol=16 * eps, atol=16 * eps)
+    plain = st.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    assert plain.shape == (2, 8, 300, 256)
