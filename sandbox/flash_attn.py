@@ -15,7 +15,9 @@ that take modifiers (fa2-tc, fa3, the Numba variants; `score_modifier` below): o
 softcap * tanh(s / softcap) first, then ALiBi, slope * j where flash-attn's kernels take the call as
 causal (an unbounded left window and right = 0: `_alibi_causal_form`) and -slope * |i + Nk - Nq - j|
 otherwise (the two forms differ by a per-row constant, which the softmax ignores but the lse keeps).
-Slopes given as a CUDA tensor are read to the host once per tensor and in-place version. What the kernels do not offer is
+Slopes given as a CUDA tensor are read to the host once per tensor and in-place version. A 16-bit
+head dim that is not a multiple of 8 (59, 111) is zero-padded to the next multiple and the output cut
+back, as flash-attn's own Python layer does (the tensor-core kernels take multiples of 8). What the kernels do not offer is
 refused with a ValueError naming the argument rather than ignored: return_attn_probs with dropout
 (the probabilities and the dropout pattern are never materialised; without dropout it returns
 (out, softmax_lse, None), as flash-attn does), a paged block_table; softcap and alibi_slopes in the
@@ -186,12 +188,26 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         if "score_mod" in params:
             raise ValueError("pass either softcap / alibi_slopes or score_mod, not both")
         params = dict(params, score_mod=mod)
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    q, k, v = _pad_head_dim(q, k, v)
     out, lse = st.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                             variant=_variant(variant, deterministic, q.dtype), causal=causal, scale=softmax_scale,
                             dropout_p=dropout_p, window=_window(window_size), enable_gqa=q.shape[2] != k.shape[2],
                             return_lse=True, **params)
-    out = out.transpose(1, 2).contiguous()
+    out = out.transpose(1, 2)[..., :d].contiguous()
     return (out, lse, None) if return_attn_probs else out
+
+
+def _pad_head_dim(*xs):
+    """flash-attn's own answer to a 16-bit head dim that is not a multiple of 8 (its Python layer pads): zero
+    columns up to the next multiple, which add nothing to q k^T and give output columns that are cut off; the
+    tensor-core kernels take multiples of 8. Other dtypes and head dims are returned as they are."""
+    d = xs[0].shape[-1]
+    if d % 8 == 0 or xs[0].dtype not in (torch.float16, torch.bfloat16):
+        return xs
+    return tuple(torch.nn.functional.pad(x, (0, 8 - d % 8)) for x in xs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -220,10 +236,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError("block_table (a paged KV cache) is not supported yet (pass None)")
     if dropout_p:
         raise ValueError("dropout_p > 0 is not supported for packed sequences yet (sandbox/varlen.py)")
+    d = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    q, k, v = _pad_head_dim(q, k, v)
     out, lse = st.varlen_attention(q, k, v, _host_offsets(cu_seqlens_q), _host_offsets(cu_seqlens_k),
                                    int(max_seqlen_q), int(max_seqlen_k),
                                    variant=_variant(variant, deterministic, q.dtype), causal=causal,
                                    scale=softmax_scale, window=_window(window_size), return_lse=True, **params)
+    out = out[..., :d]
     return (out, lse, None) if return_attn_probs else out
 
 

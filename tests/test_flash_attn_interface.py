@@ -260,3 +260,15 @@ def test_varlen_return_attn_probs_gives_lse_per_head_and_token():
         ref, ref_lse = _reference(q[:, a:b], k[:, a:b], v[:, a:b], True)
         torch.testing.assert_close(out[a:b], ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[:, a:b], ref_lse[0], rtol=1e-5, atol=1e-5)
+
+
+def test_head_dims_off_the_multiple_of_8_are_padded_for_16_bit_only():
+    q16 = torch.randn(1, 3, 2, 59).half()
+    padded = fa._pad_head_dim(q16, q16[..., :59])
+    assert all(x.shape[-1] == 64 for x in padded)
+    torch.testing.assert_close(padded[0][..., :59], q16)
+    assert float(padded[0][..., 59:].abs().max()) == 0.0
+    q32 = torch.randn(1, 3, 2, 59)
+    assert fa._pad_head_dim(q32)[0] is q32
+    q64 = torch.randn(1, 3, 2, 64).half()
+    assert fa._pad_head_dim(q64)[0] is q64
