@@ -23,7 +23,8 @@ importable and the backend takes the problem (else the cell says why).
 The kernel path follows sandbox.decode's switches: SANDBOX_DECODE_FUSED=0 times the two-launch form
 (split kernel + decode_merge) instead of the one-launch default, SANDBOX_DECODE_PIPE=0 the register
 load path, SANDBOX_DECODE_L2=first the K/V stream with the evict-first L2 hint (normal priority is the
-default since 2026-11-26: 1-3% faster on the H100); the table's
+default since 2026-11-26: 1-3% faster on the H100), SANDBOX_DECODE_ORDER=heads the grid with the K/V heads
+of one split on its x axis; the table's
 header and the JSON meta say which ran, and S is the split count of each row.
 
     python -m bench decode [--batches 1,8,64] [--seqlens 4096,16384,65536,262144] [--page-size 64]
@@ -188,7 +189,8 @@ def _sdpa_row(torch, why_not, q, k, v, reps) -> dict:
 
 def markdown(rows, page_size: int) -> str:
     out = [f"Decoding (Nq = 1, Hq = {HQ}, Hkv = {HKV}, d = {D}, fp16; paged: pages of {page_size} keys, shuffled; "
-           f"kernel path pipe={decode.DEFAULT_PIPE} fused={decode.DEFAULT_FUSED} l2={decode.DEFAULT_L2}): bytes moved "
+           f"kernel path pipe={decode.DEFAULT_PIPE} fused={decode.DEFAULT_FUSED} l2={decode.DEFAULT_L2} "
+           f"order={decode.DEFAULT_ORDER}): bytes moved "
            "/ time against a device copy of the same bytes and SDPA flash (contiguous); S = the kernel's splits", "",
            "| variant | layout | B | N | S | ms | GB/s | copy GB/s | % copy | SDPA flash ms | speedup vs SDPA |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -231,7 +233,7 @@ def main(args, out: Path):
     rows = [r for name in series() for r in run(name, list(args.batches), list(args.seqlens), args.page_size,
                                                 args.reps)]
     meta = stamp(variants=series(), page_size=args.page_size, pipe=decode.DEFAULT_PIPE, fused=decode.DEFAULT_FUSED,
-                 l2=decode.DEFAULT_L2)
+                 l2=decode.DEFAULT_L2, order=decode.DEFAULT_ORDER)
     write(out, "decode", "decode", meta, rows, markdown(rows, args.page_size))
     try:
         plot({"meta": meta, "rows": rows}, out / "decode.png")

@@ -20,7 +20,8 @@ Two paths, the same semantics (tests/test_decode.py, tests/test_decode_gpu.py):
 
 - The kernel (kernels_cu/decode_splitkv.cu, `splitkv`): CuPy or torch CUDA inputs of float16 /
   bfloat16 with d in KERNEL_HEAD_DIMS, Nq <= KERNEL_MAX_NQ, `variant=None` and no variant
-  parameters. Grid (split, K/V head x row tile, batch): the G query heads of a K/V head times the Nq
+  parameters. Grid (split, K/V head x row tile, batch), or with SANDBOX_DECODE_ORDER=heads (`order`)
+  the first two swapped (within 0.5% on the H100): the G query heads of a K/V head times the Nq
   rows are the rows of one tile, so K and V are read once per K/V head (per tile of up to 16 rows);
   pages are read in place through the block table; ragged cache lengths and the table go to the
   device by one asynchronous copy from pinned memory on the caller's stream (no synchronisation;
@@ -147,15 +148,17 @@ WARPS = 4                         # DEC_WARPS: 128 threads per block
 LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128          # below this a split's fixed cost (q load, block merge, partial write) dominates
 MAX_SPLITS = 256
-# The plan's two constants, from a sweep of S on the H100 (Nq = 1, Hq 32 / Hkv 8, d = 128, fp16; session 11,
-# bench/results/h100/2026-11-26-session-11.md): two resident blocks per SM already draw the copy bandwidth, and
-# a wave of blocks costs ~130-220 keys of streaming more than its keys (launch, pipeline fill, merge). The old
-# plan filled waves of all 4 resident blocks with short splits; one wave at 2 per SM with long splits was
-# 1-2% faster wherever the cache is long (B = 8, 256k: S = 4, 2.777 ms, against S = 33, 2.843 ms; SDPA flash
-# 2.777 ms in the same run).
+# The plan's two constants, fitted to a sweep of S on the H100 (Nq = 1, Hq 32 / Hkv 8, d = 128, fp16, B 1 / 8 /
+# 64, 4k-256k keys; session 11, bench/results/h100/2026-11-26-session-11.md): two resident blocks per SM already
+# draw the copy bandwidth, and each extra wave cost ~130-220 keys' worth of streaming in the sweep; the overhead
+# constant is set higher, at 512, because that is what picks the fastest measured S at B = 8, 256k (a smaller
+# one trades one wave of 4-split blocks for 8 waves of 33). The old plan filled waves of all 4 resident blocks
+# with short splits; one wave at 2 per SM with long splits was 1-2% faster wherever the cache is long (B = 8,
+# 256k: S = 4, 2.777 ms, against S = 33, 2.843 ms; SDPA flash 2.777 ms in the same run). Batches the sweep did
+# not cover (B = 24: S = 11, B = 32: S = 1 at 256k) follow the same model unmeasured.
 SPLIT_OVERHEAD_KEYS = 512         # a wave's fixed cost (launch, q, pipeline fill, merge) in keys streamed
 SATURATING_BLOCKS_PER_SM = 2      # resident blocks per SM that reach the memory bandwidth
-BLOCKS_PER_SM_TARGET = 3          # resident blocks per SM assumed without a compiled kernel to ask
+BLOCKS_PER_SM_TARGET = 3          # resident blocks per SM assumed without a compiled kernel to ask (capped at 2)
 DEFAULT_SM_COUNT = 132            # an H100 SXM's, for planning without a GPU
 
 
@@ -177,7 +180,8 @@ def row_tile(rows: int) -> int:
 def plan_splits(B: int, Hkv: int, rows: int, d: int, max_len: int, sm_count: int | None = None,
                 num_splits: int | None = None, blocks_per_sm: int | None = None,
                 pipe: int = 1) -> tuple[int, int]:
-    """(splits S, keys per split `chunk`) for the kernel's grid (S, Hkv * row tiles, B).
+    """(splits S, keys per split `chunk`) for the kernel's grid (S, Hkv * row tiles, B) (or its x and y
+    swapped: `splitkv`'s order).
 
     Decoding is memory-bound: the grid must fill the GPU even when B * Hkv is small (B = 1: 8 blocks
     for 132 SMs without splits), and every wave of resident blocks should be full: blocks of one

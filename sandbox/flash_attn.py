@@ -64,7 +64,7 @@ def _probs_refusal(return_attn_probs, dropout_p):
     """flash-attn returns (out, softmax_lse, S_dmask) with return_attn_probs=True, S_dmask None without dropout;
     with dropout it holds the probabilities and the kernel's dropout pattern (for its tests), which these
     kernels never materialise."""
-    if not isinstance(return_attn_probs, bool):
+    if not isinstance(return_attn_probs, (bool, np.bool_)):
         raise OptionTypeError(f"return_attn_probs must be a bool, got {return_attn_probs!r}")
     if return_attn_probs and dropout_p:
         raise ValueError("return_attn_probs=True with dropout_p > 0 is not supported: the kernels never materialise "
@@ -176,7 +176,9 @@ def _variant(variant, deterministic, dtype):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, variant=None, **params):
-    """softmax(scale q k^T) v over (B, N, H, d) tensors, differentiable; returns (B, Nq, Hq, d)."""
+    """softmax(scale q k^T) v over (B, N, H, d) tensors, differentiable; returns (B, Nq, Hq, d), or with
+    return_attn_probs=True (out, softmax_lse (B, Hq, Nq) float32, None), as flash-attn 2 without dropout.
+    A row that sees no key has out 0 and lse -inf (the sandbox's contract; flash-attn 2 writes +inf there)."""
     _refuse(softcap, alibi_slopes)
     _probs_refusal(return_attn_probs, dropout_p)
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
@@ -228,7 +230,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, variant=None,
                            **params):
-    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), host cu_seqlens; returns (total_q, Hq, d).
+    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens on the host or the GPU (copied to
+    the host); returns (total_q, Hq, d), or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None).
     One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
     _refuse(softcap, alibi_slopes, "flash_attn_varlen_func")
     _probs_refusal(return_attn_probs, dropout_p)
@@ -240,7 +243,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     q, k, v = _pad_head_dim(q, k, v)
-    out, lse = st.varlen_attention(q, k, v, _host_offsets(cu_seqlens_q), _host_offsets(cu_seqlens_k),
+    cu_q = _host_offsets(cu_seqlens_q)
+    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else _host_offsets(cu_seqlens_k)
+    out, lse = st.varlen_attention(q, k, v, cu_q, cu_k,
                                    int(max_seqlen_q), int(max_seqlen_k),
                                    variant=_variant(variant, deterministic, q.dtype), causal=causal,
                                    scale=softmax_scale, window=_window(window_size), return_lse=True, **params)
@@ -251,7 +256,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def _host_offsets(cu):
     """cu_seqlens as sandbox.varlen takes them (on the host). flash-attn's callers keep them on the GPU (its
     kernels read them there); they are copied to the host here, a copy that waits for the work queued on
-    the caller's current stream (the one wait in this module; pass a list or CPU tensor to avoid it)."""
+    the caller's current stream (as the first read of CUDA ALiBi slopes does; a list or a CPU tensor avoids
+    it)."""
     if torch.is_tensor(cu) and cu.device.type != "cpu":
         return cu.to("cpu")
     return cu

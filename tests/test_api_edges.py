@@ -110,3 +110,13 @@ def test_default_variant_by_dtype_device_and_head_dim(monkeypatch):
     monkeypatch.setattr(device, "compute_capability", lambda index=None: (9, 0))
     assert varlen.default_variant(torch.zeros(5, 2, 64, dtype=torch.float16)) == "fa2-tc"
     assert varlen.default_variant(torch.zeros(5, 2, 256, dtype=torch.float16)) == "fa3"
+
+
+def test_packed_launches_check_their_grid_before_anything_else():
+    """PackedLaunch refuses a grid past CUDA's limits at construction (before it reads the kernel), and lets an
+    empty one (skipped at launch) through whatever its other axes."""
+    from sandbox import loader
+    with pytest.raises(ValueError, match="grid y"):
+        loader.PackedLaunch(object(), (1, 70000), (128,), 0, ())
+    with pytest.raises(AttributeError):           # past the check: an object() has no .ptr
+        loader.PackedLaunch(object(), (0, 70000), (128,), 0, ())

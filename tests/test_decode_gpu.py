@@ -338,3 +338,24 @@ def test_torch_cuda_graph_capture_with_many_splits():
             for v_ in decode.oracle_verdicts(got_o[b:b + 1], got_l[b:b + 1], new[0][b:b + 1], new[1][b:b + 1],
                                              new[2][b:b + 1], "float16", True):
                 assert v_.ok, (rep, b, v_)
+
+
+@pytest.mark.parametrize("order", ["splits", "heads"])
+def test_both_grid_orders_with_several_row_tiles_and_splits(order):
+    """The grid-order switch (SANDBOX_DECODE_ORDER): splits or row tiles on the grid's x axis. Hq / Hkv = 8
+    and 4 query rows give 32 rows per K/V head, two row tiles of 16; ragged lengths of up to 20k keys give
+    many splits, so the fused merge's counters (per sequence and row tile) count in both orders."""
+    import cupy as cp
+    from sandbox import arrays
+    lens = [20000, 3, 9000]
+    q, _, _, kc, vc, table, full_k, full_v = _make(3, 16, 2, 4, 128, "float16", lens, 0, True, 64, 77)
+    qd, kd, vd = cp.asarray(q), cp.asarray(kc), cp.asarray(vc)
+    lens_dev, table_dev, uni = decode._device_ints(np.array(lens), table, lambda a: cp.asarray(a.astype(np.int32)))
+    assert decode.launch_plan(3, 16, 2, 4, 128, "float16", max(lens))[2] > 1
+    for _ in range(2):                      # the second call finds the counters the first left at zero
+        with arrays.caller_stream(qd):
+            out, lse = decode.splitkv(qd, kd, vd, lens_dev, max(lens), 1 / np.sqrt(128),
+                                      decode.relative_band(True, None), table_dev, uniform_len=uni, order=order)
+        _check(out.get(), lse.get(), q, full_k, full_v, lens, 0, "float16", True, None)
+    with pytest.raises(ValueError, match="order"):
+        decode.splitkv(qd, kd, vd, lens_dev, max(lens), 1.0, (0, 0), table_dev, uniform_len=uni, order="rows")
