@@ -117,6 +117,16 @@
 
 #define LOG2E_F 1.4426950408889634f
 
+// FA_SCORE_FACTORED (sandbox/modifiers.py cuda_defines, a modifier with cuda_factored_grad): score_mod and
+// score_mod_grad are the factored core and its derivative, mod(x) = post core(pre x), mod'(x) = post pre
+// core'(pre x), and the factors come as three more arguments, so that a modifier such as the soft-cap needs no
+// buffer load per element (ptxas keeps none of them in registers across the loop's wgmma fences).
+#ifdef FA_SCORE_FACTORED
+#define FACTORED_PARAMS , float mod_pre, float mod_post_log2e, float mod_grad_factor
+#else
+#define FACTORED_PARAMS
+#endif
+
 #ifdef FA3_BWD2_SERIAL
 #define BWD2_SERIAL true
 #else
@@ -138,7 +148,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
          T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
          const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
          int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: with modifiers only (below)
+         float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS FACTORED_PARAMS) {   // with modifiers only (below)
     constexpr int THREADS = 256, BC = 128;
     constexpr int NQ = BR / 8, ND = D / 8;
     constexpr unsigned STAGE = 64 * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
@@ -167,6 +177,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     const int col0 = tc * BC, wkey = warp * 16, dch = d / 8;     // the warp's 16 keys of the tile
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC, nT64 = (Nq + 63) / 64, nPad = (Nq + 127) / 128 * 128;
     const float scale_log2 = scale * LOG2E_F;
+#ifdef FA_SCORE_FACTORED
+    const float scale_pre = scale * mod_pre;          // the factored core's argument: pre times the scaled score
+#endif
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
 
@@ -399,9 +412,16 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                         const bool vis = L != NEG_INF && (!check || in_mask(n, e, i, j));
                         float p = 0.0f, grad = 0.0f;
                         if (vis) {
-                            const float xs = s[0][n][e] * scale, fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
+                            const float fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
+#ifdef FA_SCORE_FACTORED
+                            const float xs = s[0][n][e] * scale_pre;
+                            p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * mod_post_log2e - L);
+                            grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS) * mod_grad_factor;
+#else
+                            const float xs = s[0][n][e] * scale;
                             p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E_F - L);
                             grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS);
+#endif
                         }
                         pp[u] = p;
                         s[0][n][e] = p * grad;

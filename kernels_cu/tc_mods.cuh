@@ -11,6 +11,8 @@
 //                       MUFU pipe the softmax's EX2 needs). An identity modifier (sinks alone) sets no
 //                       FA_SCORE_MOD: the kernel keeps its exp2 fast path (scale folded into one FFMA).
 //   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
+//   FA_SCORE_FACTORED   (fa3_bwd2 only) score_mod / score_mod_grad are a factored modifier's core and the core's
+//                       derivative (ScoreMod.cuda_factored_grad), their factors three kernel arguments
 //   FA_DIST_BIAS        instead of FA_SCORE_MOD (forward and fa3_bwd2 builds; where the host allows it: |scale| above
 //                       the kernels' floor, variants/fa2_tc.py seeds_bias): the modifier is s + slope (j - i) (ALiBi),
 //                       with float dist_slope(int b, int h, buffers...); the scores stay raw (scale_log2 =

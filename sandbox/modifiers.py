@@ -70,6 +70,7 @@ import numpy as np
 MAX_BUFFERS = 4                    # captured arrays per modifier (the Numba kernels pass a fixed number)
 RESERVED = ("s", "b", "h", "i", "j", "fi", "fj")
 FACTOR_RANGE = (2.0 ** -64, 2.0 ** 64)    # a factored form's pre and post (ScoreMod.cuda_factored)
+LOG2E = 1.4426950408889634
 
 
 def _factored(value, where):
@@ -180,12 +181,20 @@ class ScoreMod:
     # CUDA text of slope(b, h, buffers) where mod(s) = s + slope * (j - i): the forward seeds S with the bias
     # (module docstring); a replace() of cuda keeps it, as cuda_factored
     cuda_distance_slope: str | None = None
+    # the core's derivative, core'(s), beside cuda_factored: mod'(s) = post pre core'(pre s); with it the wgmma2
+    # backward (kernels_cu/fa3_bwd2.cu FA_SCORE_FACTORED) compiles the core and its derivative, the factors
+    # travelling as kernel arguments instead of buffer loads per element
+    cuda_factored_grad: str | None = None
 
     def __post_init__(self):
         _name(self.name, "ScoreMod")
         where = f"ScoreMod {self.name!r}"
         if self.cuda_factored is not None:
             object.__setattr__(self, "cuda_factored", _factored(self.cuda_factored, where))
+        if self.cuda_factored_grad is not None:
+            _text(self.cuda_factored_grad, f"{where}: cuda_factored_grad")
+            if self.cuda_factored is None:
+                raise ValueError(f"{where}: cuda_factored_grad is the derivative of cuda_factored's core: give both")
         if self.cuda_distance_slope is not None:
             _text(self.cuda_distance_slope, f"{where}: cuda_distance_slope")
             if self.cuda_factored is not None:
@@ -270,8 +279,20 @@ class ScoreMod:
         """A module-cache key from the modifier's CUDA text (and its buffers' names and types)."""
         core = self.cuda_factored[0] if self.cuda_factored is not None else ""
         slope = self.cuda_distance_slope or ""
-        return hashlib.sha256((self.cuda_function() + core + "\0" + slope).encode()).hexdigest()[:16]
+        core_grad = self.cuda_factored_grad or ""
+        return hashlib.sha256((self.cuda_function() + core + "\0" + slope + "\0" + core_grad).encode()).hexdigest()[:16]
 
+
+    @property
+    def backward_factored(self) -> bool:
+        """Whether a backward can compile the factored form (core and its derivative, cuda_factored_grad)."""
+        return self.cuda_factored is not None and self.cuda_factored_grad is not None and self.has_grad
+
+    def backward_factors(self) -> tuple[float, float, float]:
+        """(pre, post log2 e, post pre) of the factored form, as fa3_bwd2's FA_SCORE_FACTORED arguments: the score
+        enters the core as scale pre s, P = 2^(post log2 e core - lse), and mod' = post pre core'."""
+        _, pre, post = self.cuda_factored
+        return pre, post * LOG2E, post * pre
 
     def forward_scales(self) -> tuple[float, float]:
         """(pre, post) of the factored form, (1, 1) without one: the forward kernel multiplies the score
@@ -410,11 +431,16 @@ def softcap(cap) -> ScoreMod:
     # backward compiles beside the derivative, uses the same fa_tanh, so that the backward's P is the
     # forward's: fa_tanh_e (tanh from fa_sech2's own exponential, one MUFU op for both) measured no faster
     # in wgmma2's backward on the H100, and its tanh differs from MUFU.TANH's by up to 4.9e-4, cap times
-    # that in P's exponent (bench/results/h100/2026-11-26-session-7.md).
+    # that in P's exponent (bench/results/h100/2026-11-26-session-7.md). The wgmma2 backward compiles the
+    # factored form too (cuda_factored_grad, the core's derivative fa_sech2(s)): the text's cap[0] and cap[1]
+    # were two global loads per element there, which ptxas cannot hoist across the loop's wgmma fences; with
+    # the caps as literals the d = 128 backward ran 15% faster on the H100 (session 11).
+    factored = FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1]
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
-                    cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1] else None)
+                    cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if factored else None,
+                    cuda_factored_grad="fa_sech2(s)" if factored else None)
 
 
 def _ones_np(s, b, h, i, j, *buffers, **named):
@@ -647,10 +673,12 @@ def _one_line(text: str, where: str) -> str:
 
 
 def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backward: bool = False,
-                 seed: bool = True) -> tuple:
+                 seed: bool = True, factored: bool = False) -> tuple:
     """NVRTC -D options that compile the modifiers into a tensor-core kernel module (tc_mods.cuh):
     the switches FA_SCORE_MOD, FA_SCORE_MOD_GRAD (backward; neither for an identity modifier, which
-    leaves the kernel's fast path: sinks alone), FA_DIST_BIAS (a forward of a distance bias with `seed`:
+    leaves the kernel's fast path: sinks alone), FA_SCORE_FACTORED (a backward with `factored`, of a modifier
+    with cuda_factored_grad: the core and its derivative compiled, ScoreMod.backward_factors the kernel's
+    arguments), FA_DIST_BIAS (a forward of a distance bias with `seed`:
     the host says the problem's scale allows it, variants/fa2_tc.seeds_bias), FA_SINKS, FA_MASK_MOD, the device functions
     (FA_MOD_FUNCS) and the buffers as kernel parameters and call arguments (FA_SM_* with prefix sm_,
     FA_MM_* with prefix mm_, so that no buffer name meets a kernel variable). () with neither: the
@@ -668,14 +696,21 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
                                   indices="int b, int h"))
         elif not score_mod.is_identity:      # the identity (sinks alone): no FA_SCORE_MOD, the fast path
             opts.append("-DFA_SCORE_MOD=1")
-            # a forward module compiles the factored core where there is one (the host passes the scales);
-            # a backward module the whole text (its kernels take |scale| and log2 e as they are)
-            text = score_mod.cuda if backward or score_mod.cuda_factored is None else score_mod.cuda_factored[0]
+            # a forward module compiles the factored core where there is one (the host passes the scales); a
+            # backward module the whole text (its kernels take |scale| and log2 e as they are), or, with
+            # `factored` (a kernel that takes FA_SCORE_FACTORED's arguments, fa3_bwd2) and a modifier whose
+            # core has its derivative, the core and core' (the host passes pre, post log2 e and post pre)
+            core_bwd = backward and factored and score_mod.backward_factored
+            if core_bwd:
+                opts.append("-DFA_SCORE_FACTORED=1")
+            text = (score_mod.cuda if backward and not core_bwd or score_mod.cuda_factored is None
+                    else score_mod.cuda_factored[0])
             funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(text, where), score_mod.buffers, floats=True))
             if backward:
                 opts.append("-DFA_SCORE_MOD_GRAD=1")
-                funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(score_mod.cuda_grad, where),
-                                      score_mod.buffers, floats=True))
+                grad = score_mod.cuda_factored_grad if core_bwd else score_mod.cuda_grad
+                funcs.append(_cuda_fn("score_mod_grad", "float s, ", _one_line(grad, where), score_mod.buffers,
+                                      floats=True))
         if score_mod.sink is not None:
             opts.append("-DFA_SINKS=1")
         opts += _buffer_macros("SM", "sm_", score_mod.buffers)

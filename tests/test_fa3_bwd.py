@@ -269,7 +269,7 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
     cannot run), sinks, the soft-cap (large logits: saturated scores) and a relative bias (text compiled in):
     against the oracle with GQA, ragged lengths, causal, a window, dropout, a negative scale. A slope 10% off
     in the seeded form alone fails the check (forward and backward: both use the seed), and a soft-cap
-    derivative 10% off fails dq / dk with the forward still right."""
+    derivative 10% off (the factored core's, or the text's) fails dq / dk with the forward still right."""
     from sandbox import fuzz, modifiers
     from variants.fa3_wgmma import resolve_bwd_kernel
     alibi = modifiers.alibi(-np.array([0.5, 0.25, 0.125, 0.0625]))
@@ -296,10 +296,14 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
                                "backward")
     assert not all(v.ok for v in verdicts)
     cap = modifiers.softcap(5.0)
-    bad_grad = dataclasses.replace(cap, name="softcap_bad_grad", cuda_grad="1.1f * fa_sech2(s * cap[1])")
-    verdicts = {v.name: v for v in fuzz.check_case(bound, dataclasses.replace(cases[6], options={
-        "score_mod": bad_grad, "causal": True}), "backward")}
-    assert verdicts["out"].ok and not (verdicts["dq"].ok and verdicts["dk"].ok)
+    # the derivative wgmma2 compiles: the factored core's (FA_SCORE_FACTORED), or the text's for a modifier without
+    # one; 10% off fails dq / dk either way
+    for bad_grad in (dataclasses.replace(cap, name="softcap_bad_core_grad", cuda_factored_grad="1.1f * fa_sech2(s)"),
+                     dataclasses.replace(cap, name="softcap_bad_grad", cuda_grad="1.1f * fa_sech2(s * cap[1])",
+                                         cuda_factored_grad=None)):
+        verdicts = {v.name: v for v in fuzz.check_case(bound, dataclasses.replace(cases[6], options={
+            "score_mod": bad_grad, "causal": True}), "backward")}
+        assert verdicts["out"].ok and not (verdicts["dq"].ok and verdicts["dk"].ok), bad_grad.name
 
 
 @pytest.mark.gpu

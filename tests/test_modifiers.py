@@ -451,6 +451,35 @@ def test_softcap_forward_compiles_its_factored_core_and_the_backward_its_text():
     assert huge.cuda_factored is None and "cap[0] * fa_tanh(s * cap[1])" in " ".join(modifiers.cuda_defines(huge, None))
 
 
+def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative():
+    """A backward module of a kernel that takes FA_SCORE_FACTORED's arguments (fa3_bwd2) compiles fa_tanh(s) and
+    fa_sech2(s), the caps travelling as (pre, post log2 e, post pre); other backward modules keep the text."""
+    from variants import fa3_backward
+    from variants.fa2_tc import LOG2E
+    cap = modifiers.softcap(7.0)
+    assert cap.backward_factored and cap.backward_factors() == pytest.approx((1 / 7.0, 7.0 * LOG2E, 1.0))
+    fac = " ".join(modifiers.cuda_defines(cap, None, backward=True, factored=True))
+    assert "-DFA_SCORE_FACTORED=1" in fac and "return fa_tanh(s);" in fac and "return fa_sech2(s);" in fac
+    assert "cap[0]" not in fac.split("FA_MOD_FUNCS")[1]
+    text = " ".join(modifiers.cuda_defines(cap, None, backward=True))
+    assert "FA_SCORE_FACTORED" not in text and "cap[0] * fa_tanh(s * cap[1])" in text
+    assert "FA_SCORE_FACTORED" not in " ".join(modifiers.cuda_defines(cap, None, backward=False, factored=True))
+    huge = modifiers.softcap(1e30)                       # no factored form: the text, whatever the kernel takes
+    assert not huge.backward_factored
+    assert "FA_SCORE_FACTORED" not in " ".join(modifiers.cuda_defines(huge, None, backward=True, factored=True))
+    q = np.zeros((1, 2, 4, 8), np.float16)
+    p = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=cap)
+    need = fa3_backward.backward_mods(p)
+    assert need == "text" and "-DFA_SCORE_FACTORED=1" in fa3_backward.module_mods(p, need).options
+    args = fa3_backward.factored_args(p, need)
+    assert [type(a) for a in args] == [np.float32] * 3 and np.allclose(args, (1 / 7.0, 7.0 * LOG2E, 1.0))
+    for other in (modifiers.alibi([0.5]), modifiers.relative_bias(np.zeros((2, 3)), 1), huge):
+        po = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=other)
+        assert fa3_backward.factored_args(po, fa3_backward.backward_mods(po)) == ()
+    with pytest.raises(ValueError, match="cuda_factored_grad"):
+        ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored_grad="1.0f")
+
+
 def test_factored_scales_reach_the_forward_arguments_only():
     from variants.fa2_tc import LOG2E, forward_scale_log2, modifier_args, scale_log2
     q = np.zeros((1, 2, 4, 8), np.float16)

@@ -331,11 +331,12 @@ class ModKernel:
     label: str
 
     @classmethod
-    def of(cls, p, backward: bool = False) -> "ModKernel | None":
-        """None without modifiers: the module and kernels are the ones without them."""
+    def of(cls, p, backward: bool = False, factored: bool = False) -> "ModKernel | None":
+        """None without modifiers: the module and kernels are the ones without them. factored: the kernel takes
+        FA_SCORE_FACTORED's arguments (modifiers.cuda_defines)."""
         if p.score_mod is None and p.mask_mod is None:
             return None
-        opts = modifiers.cuda_defines(p.score_mod, p.mask_mod, backward, seed=seeds_bias(p))
+        opts = modifiers.cuda_defines(p.score_mod, p.mask_mod, backward, seed=seeds_bias(p), factored=factored)
         names = [f"{m.name}:{m.cuda_key}" for m in (p.score_mod, p.mask_mod) if m is not None]
         return cls(opts, p.dropout_p > 0, f", {', '.join(names)}")
 

@@ -64,7 +64,16 @@ def module_mods(p, need: str) -> ModKernel | None:
     """fa3_bwd2's modifier options for backward_mods' `need`: a distance bias the forward's (FA_DIST_BIAS;
     FA_SINKS harmless), a score modifier's text or a mask modifier the backward's (text and derivative, the
     predicate), sinks alone none (the module without modifiers)."""
-    return None if need == "none" else ModKernel.of(p, backward=need != "seed")
+    return None if need == "none" else ModKernel.of(p, backward=need != "seed", factored=True)
+
+
+def factored_args(p, need: str) -> tuple:
+    """fa3_bwd2's FA_SCORE_FACTORED arguments (pre, post log2 e, post pre) where its module compiles a score
+    modifier's factored core (modifiers.cuda_defines), else ()."""
+    sm = p.score_mod
+    if need not in ("text", "mask") or sm is None or sm.is_identity or not sm.backward_factored:
+        return ()
+    return tuple(f32(x) for x in sm.backward_factors())
 
 
 def text_of(p, need: str) -> bool:
@@ -254,7 +263,7 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     operands = (maps[0], k, *strides4(k)[:3], v, *strides4(v)[:3], maps[1], lse_pad, Dv)
     main = PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
                         _args2(p, operands, acc, dk, dv, tiles, tile_heads, xp, dropout_args(p))
-                        + (modifier_args(p, int(tile_b), xp) if mods is not None else ()))   # tensor maps by value
+                        + (modifier_args(p, int(tile_b), xp) + factored_args(p, need) if mods is not None else ()))
     main({}, xp.cuda.get_current_stream())
     launch(u, dq_name(p.dtype), (-(-p.Nq // 64), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
                                                                      f32(p.scale)))
