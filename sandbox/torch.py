@@ -21,6 +21,7 @@ Dropout: the seed is drawn from torch's CPU generator (`generator=`, or the defa
 replays the same mask (the RNG contract: offset 0, the seed varies per call). A variant without a
 backward raises a ValueError naming it when `backward()` reaches it.
 """
+import functools
 import json
 import math
 from typing import Optional
@@ -272,17 +273,31 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
     `AutoModel.from_config(cfg, attn_implementation=name)` (or `model.set_attn_implementation(name)`)
     runs attention through `attention(...)`. The mask function registered beside it is SDPA's, which
     gives None when the mask is plain causal; a padding mask is refused (ValueError) rather than ignored.
+    What a model passes beside the mask is honoured or refused, never dropped: `softcap` (Gemma 2) becomes
+    the soft-cap score modifier (eager calls), `sliding_window` (Mistral, Gemma 2) a causal window of that
+    many keys when the mask says the same (or when there is no mask and more keys than that), and the
+    keyword arguments below that would change the result (`s_aux` sinks, a head mask) are a ValueError.
     """
     from transformers import AttentionInterface
 
     def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                          **kwargs):
+                          softcap=None, sliding_window=None, **kwargs):
+        for k in _CHANGES_RESULT:
+            if kwargs.get(k) is not None:
+                raise ValueError(f"sandbox attention does not take the model's {k}={kwargs[k]!r}: it would change "
+                                 "the result")
         nq, nk = query.shape[2], key.shape[2]
         causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
+        window = None
         if attention_mask is not None:
-            causal = _causal_from_mask(attention_mask, nq, nk)
+            causal, window = _causal_from_mask(attention_mask, nq, nk, sliding_window)
+        elif causal and sliding_window is not None and nk > int(sliding_window):
+            window = (int(sliding_window) - 1, 0)     # transformers skips the mask only where the window binds not
+        extra = dict(params)
+        if softcap:
+            extra["score_mod"] = _softcap_mod(float(softcap))
         out = attention(query, key, value, variant=variant, causal=causal and nq > 1, scale=scaling,
-                        dropout_p=float(dropout), enable_gqa=query.shape[1] != key.shape[1], **params)
+                        dropout_p=float(dropout), window=window, enable_gqa=query.shape[1] != key.shape[1], **extra)
         return out.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register(name, attention_forward)
@@ -294,16 +309,30 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
     return name
 
 
-def _causal_from_mask(mask, nq, nk) -> bool:
-    """A 4-D attention mask that is plain causal (bottom-right aligned) or all-visible -> causal flag;
-    anything else (padding, packed documents) raises: these kernels take no dense mask."""
+_CHANGES_RESULT = ("s_aux", "sinks", "attention_bias", "head_mask")
+
+
+@functools.lru_cache(maxsize=16)
+def _softcap_mod(cap: float):
+    """One ScoreMod per cap value (modifiers are compared by identity: one compiled module and cache entry)."""
+    from . import modifiers
+    return modifiers.softcap(cap)
+
+
+def _causal_from_mask(mask, nq, nk, sliding_window=None):
+    """A 4-D attention mask -> (causal, window): all-visible (False, None), plain causal bottom-right aligned
+    (True, None), causal within the last `sliding_window` keys (True, (sliding_window - 1, 0): key j is seen
+    from query i iff i' - sliding_window < j <= i', i' = i + nk - nq, transformers' sliding window); anything
+    else (padding, packed documents) raises: these kernels take no dense mask."""
     allowed = mask if mask.dtype == torch.bool else mask == 0
     allowed = allowed[..., -nq:, -nk:]
-    i = torch.arange(nq, device=mask.device)[:, None]
+    i = torch.arange(nq, device=mask.device)[:, None] + (nk - nq)
     j = torch.arange(nk, device=mask.device)[None, :]
     if bool(allowed.all()):
-        return False
-    if bool((allowed == (j <= i + nk - nq)).all()):
-        return True
+        return False, None
+    if bool((allowed == (j <= i)).all()):
+        return True, None
+    if sliding_window is not None and bool((allowed == ((j <= i) & (j > i - int(sliding_window)))).all()):
+        return True, (int(sliding_window) - 1, 0)
     raise ValueError("sandbox attention got an attention mask that is neither causal nor all-visible (padding?): "
                      "these kernels take causal / window / block-sparse masks, not dense ones")

@@ -102,3 +102,38 @@ def test_padding_mask_is_refused_not_ignored():
     mask[0, :10] = 0                                  # left padding in the first sequence
     with pytest.raises(ValueError, match="neither causal"):
         model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("variant", TC_VARIANTS + (["fa3"] if torch.cuda.get_device_capability() == (9, 0) else []))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemma2_softcap_and_sliding_window_match_eager(dtype, variant):
+    """Gemma 2 passes softcap and sliding_window beside the mask: a small cap that binds (a model that dropped it
+    would be far off: checked) and a window shorter than the sequence on every other layer. Logits and the
+    attention weights' gradients against eager attention in float32, within 2x / 3x eager's own 16-bit error."""
+    cfg = transformers.Gemma2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=48,
+                                    attn_logit_softcapping=0.05, final_logit_softcapping=None,
+                                    query_pre_attn_scalar=64, max_position_embeddings=512)
+    impl = _register(variant)
+
+    def model(name, dt, cap=0.05):
+        torch.manual_seed(0)
+        c = cfg.__class__(**{**cfg.to_dict(), "attn_logit_softcapping": cap})
+        return transformers.AutoModelForCausalLM.from_config(c, attn_implementation=name).cuda().to(dt)
+    ids = torch.randint(0, 512, (2, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    ref_logits, ref_grads = _logits_and_grads(model("eager", torch.float32), ids)
+    uncapped, _ = _logits_and_grads(model("eager", torch.float32, cap=None), ids)
+    assert (uncapped - ref_logits).abs().max() > 10 * (ref_logits.abs().max() * EPS[dtype])    # the cap binds
+    eager_logits, eager_grads = _logits_and_grads(model("eager", DTYPES[dtype]), ids)
+    ours_logits, ours_grads = _logits_and_grads(model(impl, DTYPES[dtype]), ids)
+    eps = EPS[dtype]
+
+    def within(ours, base, ref, factor, what):
+        err = (ours - ref).abs().max().item()
+        tol = factor * (base - ref).abs().max().item() + eps * ref.abs().max().item()
+        assert err <= tol, f"gemma2 {dtype} {variant} {what}: err {err:.3g} > tol {tol:.3g}"
+
+    within(ours_logits, eager_logits, ref_logits, 2.0, "logits")
+    assert ref_grads.keys() == ours_grads.keys() and ref_grads
+    for name in ref_grads:
+        within(ours_grads[name], eager_grads[name], ref_grads[name], 3.0, name)

@@ -43,11 +43,42 @@ def test_transformers_masks_translate_or_are_refused():
     nq, nk = 3, 5
     i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
     causal = (j <= i + nk - nq)[None, None]
-    assert st._causal_from_mask(causal, nq, nk) is True
-    assert st._causal_from_mask(torch.ones(1, 1, nq, nk, dtype=torch.bool), nq, nk) is False
+    assert st._causal_from_mask(causal, nq, nk) == (True, None)
+    assert st._causal_from_mask(torch.ones(1, 1, nq, nk, dtype=torch.bool), nq, nk) == (False, None)
     additive = torch.where(causal, 0.0, float("-inf"))
-    assert st._causal_from_mask(additive, nq, nk) is True
+    assert st._causal_from_mask(additive, nq, nk) == (True, None)
     padded = causal.clone()
     padded[..., 0] = False
     with pytest.raises(ValueError, match="neither causal"):
         st._causal_from_mask(padded, nq, nk)
+    # transformers' sliding window (Mistral, Gemma 2): key j seen from query i iff i' - w < j <= i'
+    sliding = causal & (j > i + nk - nq - 2)[None, None]
+    assert st._causal_from_mask(sliding, nq, nk, sliding_window=2) == (True, (1, 0))
+    with pytest.raises(ValueError, match="neither causal"):
+        st._causal_from_mask(sliding, nq, nk)                    # a window the model did not declare
+    with pytest.raises(ValueError, match="neither causal"):
+        st._causal_from_mask(sliding, nq, nk, sliding_window=3)  # nor one of another width
+
+
+def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatch):
+    """The registered attention function takes what Gemma 2 / Mistral pass beside the mask: softcap becomes the
+    soft-cap modifier (one object per value), sliding_window a causal window; a sink or head mask is refused."""
+    transformers = pytest.importorskip("transformers")
+    calls = []
+    monkeypatch.setattr(st, "attention", lambda q, k, v, **kw: calls.append(kw) or q)
+    registered = {}
+    monkeypatch.setattr(transformers.AttentionInterface, "register", classmethod(
+        lambda cls, name, fn: registered.setdefault(name, fn)))
+    fn = registered[st.register_transformers("sandbox-test")]
+    q = torch.zeros(1, 2, 6, 8)
+    module = type("M", (), {"is_causal": True})()
+    fn(module, q, q, q, None, softcap=50.0, sliding_window=4)
+    kw = calls[-1]
+    assert kw["score_mod"].name == "softcap" and kw["score_mod"].params == {"cap": 50.0}
+    assert kw["causal"] and kw["window"] == (3, 0)
+    fn(module, q, q, q, None, softcap=50.0, sliding_window=8)        # the window does not bind: none
+    assert calls[-1]["window"] is None and calls[-1]["score_mod"] is kw["score_mod"]
+    fn(module, q, q, q, None)
+    assert "score_mod" not in calls[-1]
+    with pytest.raises(ValueError, match="s_aux"):
+        fn(module, q, q, q, None, s_aux=torch.zeros(2))
