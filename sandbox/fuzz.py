@@ -119,7 +119,20 @@ def _document(rng, B, Hq, Nq, Nk):
 MASK_MOD_FACTORIES = {
     "document": _document,
     "prefix_lm": lambda rng, B, Hq, Nq, Nk: modifiers.prefix_lm(rng.integers(0, Nk + 1, int(rng.choice([1, B])))),
+    "dense": lambda rng, B, Hq, Nq, Nk: modifiers.dense(_padding_mask(rng, B, Nq, Nk)),
 }
+
+
+def _padding_mask(rng, B, Nq, Nk):
+    """A model's mask: causal (bottom-right aligned) or not, keys left-padded per batch entry, and in about a third
+    of the cases random holes (a packed or irregular mask), (B, 1, Nq, Nk) bool."""
+    i, j = np.arange(Nq)[:, None] + (Nk - Nq), np.arange(Nk)[None, :]
+    base = (j <= i) if rng.random() < 0.5 else np.ones((Nq, Nk), bool)
+    pad = rng.integers(0, max(1, Nk // 2) + 1, B)
+    out = base[None, None] & (j[None, None] >= pad[:, None, None, None])
+    if rng.random() < 0.3:
+        out &= rng.random(out.shape) < 0.7
+    return out
 MASK_MODS = tuple(MASK_MOD_FACTORIES.values())
 
 

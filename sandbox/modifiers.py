@@ -575,6 +575,36 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
                    params={"documents": int(len(np.unique(q_ids)))})
 
 
+def _dense_np(b, h, i, j, allowed):
+    return allowed[np.minimum(b, allowed.shape[0] - 1), np.minimum(h, allowed.shape[1] - 1), i, j] != 0
+
+
+def _dense_scalar(b, h, i, j, allowed):
+    return allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1), i, j] != 0
+
+
+def dense(allowed) -> MaskMod:
+    """A dense boolean mask, (B or 1, H or 1, Nq, Nk), True where query i may see key j: what a model's 4-D
+    attention mask (padding, packed documents) says, element by element. The tile classes come from it (empty
+    tiles skipped, full ones unchecked), so a padding mask costs a byte load per score of its partial tiles
+    only. Held as uint8 (the kernels' bool)."""
+    arr = np.asarray(allowed)
+    if arr.dtype != np.bool_:
+        raise TypeError(f"dense: the mask must be boolean, got dtype {arr.dtype}")
+    if arr.ndim != 4 or arr.size == 0:
+        raise ValueError(f"dense: the mask must be 4-D (B or 1, H or 1, Nq, Nk), got shape {arr.shape}")
+
+    def check(B, Hq, Nq, Nk):
+        if arr.shape[0] not in (1, B) or arr.shape[1] not in (1, Hq) or arr.shape[2:] != (Nq, Nk):
+            raise ValueError(f"dense: the mask has shape {arr.shape}; need (1 or B={B}, 1 or Hq={Hq}, {Nq}, {Nk})")
+
+    return MaskMod("dense", _dense_np, _dense_scalar,
+                   "allowed[(((long long)min(b, allowed_shape0 - 1) * allowed_shape1 + min(h, allowed_shape1 - 1)) "
+                   "* allowed_shape2 + i) * allowed_shape3 + j] != 0",
+                   buffers={"allowed": arr.astype(np.uint8)}, check=check,
+                   params={"shape": tuple(arr.shape), "visible": float(arr.mean())})
+
+
 def _prefix_np(b, h, i, j, prefix):
     return (j <= i) | (j < prefix[np.minimum(b, prefix.shape[0] - 1)])
 

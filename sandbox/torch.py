@@ -272,7 +272,9 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
     """Register the kernels as a transformers attention implementation: afterwards
     `AutoModel.from_config(cfg, attn_implementation=name)` (or `model.set_attn_implementation(name)`)
     runs attention through `attention(...)`. The mask function registered beside it is SDPA's, which
-    gives None when the mask is plain causal; a padding mask is refused (ValueError) rather than ignored.
+    gives None when the mask is plain causal; a causal or sliding-window mask becomes the kernels' causal
+    and window options, any other (padding, packed documents) the `dense` mask modifier (`_mask_spec`:
+    read to the host once per mask tensor, which waits for the stream; eager calls only).
     What a model passes beside the mask is honoured or refused, never dropped: `softcap` (Gemma 2) becomes
     the soft-cap score modifier (eager calls), `sliding_window` (Mistral, Gemma 2) a causal window of that
     many keys when the mask says the same (or when there is no mask and more keys than that), and the
@@ -288,12 +290,13 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
                                  "the result")
         nq, nk = query.shape[2], key.shape[2]
         causal = is_causal if is_causal is not None else bool(getattr(module, "is_causal", True))
-        window = None
+        window, extra = None, dict(params)
         if attention_mask is not None:
-            causal, window = _causal_from_mask(attention_mask, nq, nk, sliding_window)
+            causal, window, dense = _mask_spec(attention_mask, nq, nk, sliding_window)
+            if dense is not None:
+                extra["mask_mod"] = dense
         elif causal and sliding_window is not None and nk > int(sliding_window):
             window = (int(sliding_window) - 1, 0)     # transformers skips the mask only where the window binds not
-        extra = dict(params)
         if softcap:
             extra["score_mod"] = _softcap_mod(float(softcap))
         out = attention(query, key, value, variant=variant, causal=causal and nq > 1, scale=scaling,
@@ -317,6 +320,37 @@ def _softcap_mod(cap: float):
     """One ScoreMod per cap value (modifiers are compared by identity: one compiled module and cache entry)."""
     from . import modifiers
     return modifiers.softcap(cap)
+
+
+def _mask_spec(mask, nq, nk, sliding_window=None):
+    """A model's 4-D attention mask -> (causal, window, dense mask modifier or None): plain causal or sliding
+    window as the kernels' options (_causal_from_mask), anything else (padding, packed documents) as
+    modifiers.dense of the mask, cached per mask tensor (a model hands every layer the same one)."""
+    try:
+        causal, window = _causal_from_mask(mask, nq, nk, sliding_window)
+        return causal, window, None
+    except ValueError:
+        return False, None, _dense_mask_mod(mask, nq, nk)
+
+
+_DENSE_MASKS: dict = {}
+
+
+def _dense_mask_mod(mask, nq, nk):
+    """modifiers.dense of the visible pairs of `mask` (bool, or additive with 0 for visible), its last nq rows
+    and nk columns; one object per live mask tensor and in-place version (weakly held, as flash_attn's slopes)."""
+    import weakref
+    from . import modifiers
+    key = (mask.data_ptr(), mask._version, tuple(mask.shape), str(mask.dtype), str(mask.device), nq, nk)
+    hit = _DENSE_MASKS.get(key)
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    allowed = (mask if mask.dtype == torch.bool else mask == 0)[..., -nq:, -nk:]
+    mod = modifiers.dense(allowed.cpu().numpy())
+    if len(_DENSE_MASKS) >= 8:
+        _DENSE_MASKS.pop(next(iter(_DENSE_MASKS)))
+    _DENSE_MASKS[key] = (weakref.ref(mask), mod)
+    return mod
 
 
 def _causal_from_mask(mask, nq, nk, sliding_window=None):

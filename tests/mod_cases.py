@@ -24,7 +24,9 @@ def score_mods():
 def mask_mods():
     ids = np.sort(np.random.default_rng(1).integers(0, 3, (B, NQ)), axis=1)
     kv = np.sort(np.random.default_rng(2).integers(0, 3, (B, NK)), axis=1)
-    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40])}
+    pad = np.arange(NK)[None, None, None, :] >= np.array([0, 30])[:, None, None, None]     # key padding per entry
+    return {"document": M.document(ids, kv), "prefix_lm": M.prefix_lm([5, 40]),
+            "dense": M.dense(pad & np.ones((1, 1, NQ, NK), bool))}
 
 
 def problem(score_mod=None, mask_mod=None, dtype=np.float16, d=64, **kw):

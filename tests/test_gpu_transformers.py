@@ -94,14 +94,38 @@ def test_training_losses_track_sdpa(arch):
     assert worst < 0.02, f"losses diverge from sdpa's by {worst:.3%} (sdpa {a[-1]:.4f}, sandbox {b[-1]:.4f})"
 
 
-def test_padding_mask_is_refused_not_ignored():
-    impl = _register("fa2-tc")
-    model = _model("llama", impl, torch.bfloat16)
-    ids = torch.randint(0, 512, (2, 64), device="cuda")
+@pytest.mark.parametrize("variant", TC_VARIANTS + (["fa3"] if torch.cuda.get_device_capability() == (9, 0) else []))
+def test_left_padded_batch_matches_sdpa(variant):
+    """A left-padded batch (batched inference) with its attention mask: the mask becomes a dense mask modifier.
+    Logits at the real tokens and the attention weights' gradients (padded labels ignored) against SDPA in
+    float32 with the same mask, within 2x / 3x SDPA's own bf16 error."""
+    impl = _register(variant)
+    ids = torch.randint(0, 512, (2, 96), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     mask = torch.ones_like(ids)
-    mask[0, :10] = 0                                  # left padding in the first sequence
-    with pytest.raises(ValueError, match="neither causal"):
-        model(input_ids=ids, attention_mask=mask)
+    mask[0, :17] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def run(name, dt):
+        model = _model("llama", name, dt)
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None
+                 and "self_attn" in n}
+        return out.logits.detach().double()[mask.bool()], grads
+    ref_logits, ref_grads = run("sdpa", torch.float32)
+    sdpa_logits, sdpa_grads = run("sdpa", torch.bfloat16)
+    ours_logits, ours_grads = run(impl, torch.bfloat16)
+    eps = EPS["bfloat16"]
+
+    def within(ours, sdpa, ref, factor, what):
+        err = (ours - ref).abs().max().item()
+        tol = factor * (sdpa - ref).abs().max().item() + eps * ref.abs().max().item()
+        assert err <= tol, f"padded {variant} {what}: err {err:.3g} > tol {tol:.3g}"
+    within(ours_logits, sdpa_logits, ref_logits, 2.0, "logits")
+    assert ref_grads.keys() == ours_grads.keys() and ref_grads
+    for name in ref_grads:
+        within(ours_grads[name], sdpa_grads[name], ref_grads[name], 3.0, name)
 
 
 @pytest.mark.parametrize("variant", TC_VARIANTS + (["fa3"] if torch.cuda.get_device_capability() == (9, 0) else []))

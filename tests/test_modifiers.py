@@ -66,6 +66,8 @@ def quadratic(alpha=0.3, numpy_form=_quad_np) -> ScoreMod:
     (lambda: modifiers.document([0.5, 1.0]), TypeError, "document: seq_ids"),
     (lambda: modifiers.prefix_lm(-1), ValueError, "prefix_lm: prefix_len"),
     (lambda: modifiers.prefix_lm(2.5), TypeError, "prefix_lm: prefix_len"),
+    (lambda: modifiers.dense(np.ones((2, 3, 4))), TypeError, "dense: the mask must be boolean"),
+    (lambda: modifiers.dense(np.ones((2, 3, 4), bool)), ValueError, "dense: the mask must be 4-D"),
     (lambda: ScoreMod("x", None, _quad_scalar, "s"), TypeError, "numpy"),
     (lambda: ScoreMod("x", _quad_np, _quad_scalar, ""), TypeError, "cuda"),
     (lambda: ScoreMod("x", _quad_np, _quad_scalar, "s", grad=_one_np), ValueError, "all three forms"),
@@ -224,6 +226,28 @@ def test_prefix_lm_is_its_element_mask():
         np.testing.assert_array_equal(x, y)
 
 
+def test_dense_mask_is_its_element_mask_per_batch_and_head():
+    """modifiers.dense(allowed) is the mask it is given: per batch entry and query head, broadcast over an axis
+    of extent 1; the oracle with it equals the oracle per (b, h) with that element mask as a 1 x 1 block
+    layout; a problem of another shape is refused."""
+    q, k, v = qkv(B=2, Hq=2, Hkv=1, Nq=5, Nk=7)
+    rng = np.random.default_rng(5)
+    allowed = rng.random((2, 2, 5, 7)) < 0.6
+    allowed[1, 0, 2] = False                                  # a dead row
+    for mask in (allowed, allowed[:, :1], allowed[:1]):
+        mod = modifiers.dense(mask)
+        out, lse = oracle.forward(q, k, v, mask_mod=mod)
+        for b, h in np.ndindex(2, 2):
+            m = mask[min(b, mask.shape[0] - 1), min(h, mask.shape[1] - 1)]
+            o, l = oracle.forward(q[b:b + 1, h:h + 1], k[b:b + 1], v[b:b + 1], block_mask=BlockSparse(m, (1, 1)))
+            np.testing.assert_array_equal(out[b:b + 1, h:h + 1], o)
+            np.testing.assert_array_equal(lse[b:b + 1, h:h + 1], l)
+        assert modifiers.twin_errors(mod, B=2, H=2, Nq=5, Nk=7) == []
+    assert np.isneginf(oracle.forward(q, k, v, mask_mod=modifiers.dense(allowed))[1][1, 0, 2])
+    with pytest.raises(ValueError, match="dense: the mask has shape"):
+        modifiers.dense(allowed).validate(2, 2, 5, 8)
+
+
 @pytest.mark.parametrize("score_mod", [modifiers.softcap(1.5), quadratic(0.2),
                                        modifiers.relative_bias(np.arange(6.0).reshape(2, 3) / 4, 1),
                                        modifiers.softcap(2.0).with_sinks([0.5, -0.5])],
@@ -252,7 +276,9 @@ def test_gradients_by_finite_differences(score_mod):
 # ---- tile classification from a mask modifier
 
 @pytest.mark.parametrize("mask_mod", [modifiers.document([[0, 0, 0, 1, 1, 1, 2, 2, 2, 2]] * 2),
-                                      modifiers.prefix_lm([3, 7])], ids=["document", "prefix_lm"])
+                                      modifiers.prefix_lm([3, 7]),
+                                      modifiers.dense(np.random.default_rng(3).random((2, 1, 10, 10)) < 0.8)],
+                         ids=["document", "prefix_lm", "dense"])
 def test_tile_classes_of_a_mask_modifier_are_exact(mask_mod):
     B, H, N = 2, 2, 10
     layout = np.ones((H, 4, 4), bool)

@@ -58,6 +58,16 @@ def test_transformers_masks_translate_or_are_refused():
         st._causal_from_mask(sliding, nq, nk)                    # a window the model did not declare
     with pytest.raises(ValueError, match="neither causal"):
         st._causal_from_mask(sliding, nq, nk, sliding_window=3)  # nor one of another width
+    # anything else is a dense mask modifier of exactly the visible pairs, one object per mask tensor
+    padded4 = padded.expand(2, 1, nq, nk).clone()
+    padded4[1, ..., :2] = False
+    causal_flag, window, mod = st._mask_spec(padded4, nq, nk)
+    assert (causal_flag, window) == (False, None) and mod.name == "dense"
+    np.testing.assert_array_equal(mod.buffers["allowed"] != 0, padded4.numpy())
+    assert st._mask_spec(padded4, nq, nk)[2] is mod
+    additive4 = torch.where(padded4, 0.0, torch.finfo(torch.float32).min)
+    np.testing.assert_array_equal(st._mask_spec(additive4, nq, nk)[2].buffers["allowed"] != 0, padded4.numpy())
+    assert st._mask_spec(causal, nq, nk) == (True, None, None)
 
 
 def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatch):
@@ -82,3 +92,7 @@ def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatc
     assert "score_mod" not in calls[-1]
     with pytest.raises(ValueError, match="s_aux"):
         fn(module, q, q, q, None, s_aux=torch.zeros(2))
+    pad = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    pad[..., :2] = False                                           # left padding: a dense mask modifier
+    fn(module, q, q, q, pad)
+    assert calls[-1]["mask_mod"].name == "dense" and not calls[-1]["causal"]
