@@ -576,18 +576,18 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
 
 
 def _dense_np(b, h, i, j, allowed):
-    return allowed[np.minimum(b, allowed.shape[0] - 1), np.minimum(h, allowed.shape[1] - 1), i, j] != 0
+    return allowed[np.minimum(b, allowed.shape[0] - 1), np.minimum(h, allowed.shape[1] - 1), i, j]
 
 
 def _dense_scalar(b, h, i, j, allowed):
-    return allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1), i, j] != 0
+    return allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1), i, j]
 
 
 def dense(allowed) -> MaskMod:
     """A dense boolean mask, (B or 1, H or 1, Nq, Nk), True where query i may see key j: what a model's 4-D
     attention mask (padding, packed documents) says, element by element. The tile classes come from it (empty
     tiles skipped, full ones unchecked), so a padding mask costs a byte load per score of its partial tiles
-    only. Held as uint8 (the kernels' bool)."""
+    only. The kernels read it as bytes (cuda_buffers: a view, no copy)."""
     arr = np.asarray(allowed)
     if arr.dtype != np.bool_:
         raise TypeError(f"dense: the mask must be boolean, got dtype {arr.dtype}")
@@ -601,7 +601,7 @@ def dense(allowed) -> MaskMod:
     return MaskMod("dense", _dense_np, _dense_scalar,
                    "allowed[(((long long)min(b, allowed_shape0 - 1) * allowed_shape1 + min(h, allowed_shape1 - 1)) "
                    "* allowed_shape2 + i) * allowed_shape3 + j] != 0",
-                   buffers={"allowed": arr.astype(np.uint8)}, check=check,
+                   buffers={"allowed": arr}, check=check,
                    params={"shape": tuple(arr.shape), "visible": float(arr.mean())})
 
 
@@ -774,7 +774,10 @@ def cuda_buffers(mod) -> list:
     for name, arr in mod.buffers.items():
         if arr.dtype.kind in "iu" and arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
             raise ValueError(f"{mod.name}: buffer {name!r} does not fit in int32, which the CUDA kernels take")
-        out.append(np.ascontiguousarray(arr, dtype=_KERNEL_DTYPES[arr.dtype.kind]))
+        if arr.dtype == np.bool_ and arr.flags.c_contiguous:
+            out.append(arr.view(np.uint8))           # the same bytes: no copy of a large (dense) mask per call
+        else:
+            out.append(np.ascontiguousarray(arr, dtype=_KERNEL_DTYPES[arr.dtype.kind]))
     return out
 
 

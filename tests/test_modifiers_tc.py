@@ -273,3 +273,24 @@ def test_torch_attention_passes_modifiers_through_autograd(dtype):
         assert torch.equal(got, torch.as_tensor(want))
     with torch.no_grad():                                      # no autograd node: the direct route
         assert torch.equal(st.attention(tq, tk, tv, causal=True, score_mod=sm, mask_mod=mm, enable_gqa=True), out)
+
+
+def test_a_large_read_only_buffer_is_uploaded_once_and_freed_with_its_owner():
+    """A dense mask's bytes (B Nq Nk) are neither hashed per call nor kept by the shared device cache: one copy
+    per live host buffer, dropped when the buffer (its modifier) goes."""
+    import gc
+    import types
+    from variants import fa2_tc
+    uploads = []
+    xp = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)),
+                               asarray=lambda a: uploads.append(a) or object())
+    mod = M.dense(np.ones((2, 1, 1024, 1024), bool))
+    (buf,) = M.cuda_buffers(mod)
+    assert buf.dtype == np.uint8 and buf.nbytes > fa2_tc.BIG_BUFFER_BYTES and not buf.flags.writeable
+    first = fa2_tc._device_copy(buf, xp)
+    assert fa2_tc._device_copy(M.cuda_buffers(mod)[0], xp) is first and len(uploads) == 1
+    before = len(fa2_tc._BIG_COPIES)
+    del mod, buf, first
+    uploads.clear()
+    gc.collect()
+    assert len(fa2_tc._BIG_COPIES) == before - 1

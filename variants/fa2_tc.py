@@ -26,6 +26,7 @@ and 0.73-0.86x (638f5f8). The rung below is fa2-tc-naive.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -341,11 +342,25 @@ class ModKernel:
         return cls(opts, p.dropout_p > 0, f", {', '.join(names)}")
 
 
+BIG_BUFFER_BYTES = 1 << 20
+_BIG_COPIES: dict = {}
+
+
 def _device_copy(arr: np.ndarray, xp):
     """A device copy of a host array, cached by content (a loop over one modifier uploads once); with
-    xp None the host array itself (the argument-packing tests run without a GPU)."""
+    xp None the host array itself (the argument-packing tests run without a GPU). A buffer past
+    BIG_BUFFER_BYTES (a dense mask: B Nq Nk bytes) is neither hashed per call nor held by the shared cache:
+    its copy lives as long as the (read-only) host array it was made from."""
     if xp is None:
         return arr
+    if arr.nbytes > BIG_BUFFER_BYTES and not arr.flags.writeable:
+        owner = arr if arr.base is None else arr.base            # a byte view of a bool buffer: its owner
+        key = (xp.cuda.Device().id, id(owner), arr.dtype.str, arr.shape)
+        hit = _BIG_COPIES.get(key)
+        if hit is None:
+            hit = _BIG_COPIES[key] = xp.asarray(arr)
+            weakref.finalize(owner, _BIG_COPIES.pop, key, None)
+        return hit
     key = ("mod-buffer", arr.dtype.str, arr.shape, hashlib.blake2b(arr.tobytes(), digest_size=16).digest())
     return _cached(key, lambda: xp.asarray(arr), xp)
 
