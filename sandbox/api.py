@@ -37,15 +37,16 @@ def _device_index(x) -> int | None:
     return None
 
 
-def default_variant(like=None) -> str:
+def default_variant(like=None, params=None) -> str:
     """The variant that variant=None means for an input like `like`: DEFAULT_VARIANTS by dtype (fa2 for fp32,
     fa2-tc for fp16 / bf16), except fp16 / bf16 device arrays on an sm_90 GPU (H100, H200) whose head dim
-    fa3 takes (8..256, step 8): fa3, the fastest rung there and the one that takes head dims past 128."""
+    fa3 takes (8..256, step 8) and no variant parameters given (those name the default's config, fa2-tc's as
+    before): fa3, the fastest rung there and the one that takes head dims past 128."""
     if like is None:
         return DEFAULT_VARIANT
     dtype = dtype_name(like)
     name = DEFAULT_VARIANTS.get(dtype, DEFAULT_VARIANT)
-    if dtype in ("float16", "bfloat16") and like.shape[-1] in HOPPER_DEFAULT_DIMS:
+    if dtype in ("float16", "bfloat16") and not params and like.shape[-1] in HOPPER_DEFAULT_DIMS:
         index = _device_index(like)
         if index is not None and device.compute_capability(index) == (9, 0):
             return HOPPER_DEFAULT
@@ -70,7 +71,7 @@ class Result:
 
 
 def _resolve(variant, params, like=None) -> BoundVariant:
-    return get_variant(default_variant(like) if variant is None else variant, **params)
+    return get_variant(default_variant(like, params) if variant is None else variant, **params)
 
 
 def _backend_arrays(bound: BoundVariant, xs, names):

@@ -21,6 +21,7 @@ time, cached per (mask, shape, tile size, band, block mask).
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,11 +172,21 @@ def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int
     Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
     the head. Cached per (mask_mod, shape, tile size, band, block mask) by identity: a loop over one
     mask classifies once. The predicate is evaluated for every element, Br rows at a time (host
-    memory O(B H Br Nk)), so the cost is that of one pass over the score matrix."""
-    return _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_mask)
+    memory O(B H Br Nk)), so the cost is that of one pass over the score matrix. The cache holds the mask
+    modifier weakly: a dense mask (and its device copy) goes with the last reference to its modifier."""
+    per_mod = _MOD_TILES.setdefault(mask_mod, {})
+    key = (B, Hq, Nq, Nk, block_r, block_c, band, block_mask)
+    hit = per_mod.get(key)
+    if hit is None:
+        if len(per_mod) >= 16:
+            per_mod.pop(next(iter(per_mod)))
+        hit = per_mod[key] = _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_mask)
+    return hit
 
 
-@functools.lru_cache(maxsize=64)
+_MOD_TILES = weakref.WeakKeyDictionary()      # mask modifier -> {(shape, tiles, band, block mask): classes}
+
+
 def _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_mask):
     nr, nc = -(-Nq // block_r), -(-Nk // block_c)
     rows = []

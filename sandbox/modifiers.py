@@ -25,8 +25,11 @@ A score modifier of the form mod(s) = post * core(pre * s) with host numbers pre
 soft-cap: cap * tanh(s / cap)) may also give `cuda_factored=(core text, pre, post)`: the forward kernels
 then fold pre into the score's scale and post into the softmax's (one FFMA per element already), so
 an element pays for core alone, two instructions fewer for the soft-cap in a softmax that is bound by
-its instruction count (docs/ARCHITECTURE.md). The backward keeps the `cuda` text; the fuzzer checks the
-forward, hence the factored text, against the NumPy form like any other.
+its instruction count (docs/ARCHITECTURE.md). fa2-tc's backward keeps the `cuda` text; the wgmma2 backward
+compiles the core and `cuda_factored_grad` (the core's derivative) where given, the factors as kernel
+arguments instead of buffer loads. The fuzzer checks both directions against the NumPy forms like any other.
+A copy made with dataclasses.replace keeps every form it is not given: replace the factored ones with the
+text (or set them to None), or the kernels run the old core.
 
 A score modifier of the form mod(s) = s + slope(b, h) * (j - i) (ALiBi) may instead give
 `cuda_distance_slope`, the CUDA C expression of slope in b, h and the buffers: the forward kernels then
@@ -176,7 +179,8 @@ class ScoreMod:
     check: Callable | None = None
     params: dict = dataclasses.field(default_factory=dict)     # for repr only
     # (core text, pre, post): mod(s) = post * core(pre * s), pre and post in FACTOR_RANGE; a copy made with
-    # dataclasses.replace(mod, cuda=...) keeps it: replace both (the forward compiles the factored text)
+    # dataclasses.replace(mod, cuda=...) keeps it: replace both (the forward compiles the factored text; so
+    # does a copy's cuda_grad beside cuda_factored_grad, which the wgmma2 backward compiles)
     cuda_factored: tuple | None = None
     # CUDA text of slope(b, h, buffers) where mod(s) = s + slope * (j - i): the forward seeds S with the bias
     # (module docstring); a replace() of cuda keeps it, as cuda_factored

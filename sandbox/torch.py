@@ -24,6 +24,7 @@ backward raises a ValueError naming it when `backward()` reaches it.
 import functools
 import json
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -294,11 +295,14 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
         if attention_mask is not None:
             causal, window, dense = _mask_spec(attention_mask, nq, nk, sliding_window)
             if dense is not None:
-                extra["mask_mod"] = dense
-        elif causal and sliding_window is not None and nk > int(sliding_window):
+                _add_modifier(extra, "mask_mod", dense)
+        elif sliding_window is not None and nk > int(sliding_window):
+            if not causal:
+                raise ValueError(f"sliding_window={sliding_window} without a mask on a non-causal call: "
+                                 "sandbox attention takes the window from a causal call or from the mask")
             window = (int(sliding_window) - 1, 0)     # transformers skips the mask only where the window binds not
         if softcap:
-            extra["score_mod"] = _softcap_mod(float(softcap))
+            _add_modifier(extra, "score_mod", _softcap_mod(float(softcap)))
         out = attention(query, key, value, variant=variant, causal=causal and nq > 1, scale=scaling,
                         dropout_p=float(dropout), window=window, enable_gqa=query.shape[1] != key.shape[1], **extra)
         return out.transpose(1, 2).contiguous(), None
@@ -315,6 +319,12 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
 _CHANGES_RESULT = ("s_aux", "sinks", "attention_bias", "head_mask")
 
 
+def _add_modifier(extra, name, mod):
+    if extra.get(name) is not None:
+        raise ValueError(f"the model asks for a {name} ({mod.name}) and register_transformers was given one too")
+    extra[name] = mod
+
+
 @functools.lru_cache(maxsize=16)
 def _softcap_mod(cap: float):
     """One ScoreMod per cap value (modifiers are compared by identity: one compiled module and cache entry)."""
@@ -325,48 +335,69 @@ def _softcap_mod(cap: float):
 def _mask_spec(mask, nq, nk, sliding_window=None):
     """A model's 4-D attention mask -> (causal, window, dense mask modifier or None): plain causal or sliding
     window as the kernels' options (_causal_from_mask), anything else (padding, packed documents) as
-    modifiers.dense of the mask, cached per mask tensor (a model hands every layer the same one)."""
-    try:
-        causal, window = _causal_from_mask(mask, nq, nk, sliding_window)
-        return causal, window, None
-    except ValueError:
-        return False, None, _dense_mask_mod(mask, nq, nk)
-
-
-_DENSE_MASKS: dict = {}
-
-
-def _dense_mask_mod(mask, nq, nk):
-    """modifiers.dense of the visible pairs of `mask` (bool, or additive with 0 for visible), its last nq rows
-    and nk columns; one object per live mask tensor and in-place version (weakly held, as flash_attn's slopes)."""
-    import weakref
-    from . import modifiers
-    key = (mask.data_ptr(), mask._version, tuple(mask.shape), str(mask.dtype), str(mask.device), nq, nk)
-    hit = _DENSE_MASKS.get(key)
+    modifiers.dense of the visible pairs. The answer is cached per mask tensor (a model hands every layer the
+    same one: the checks' waits on the stream and the host copy happen once per mask)."""
+    key = _mask_key(mask, nq, nk, sliding_window)
+    hit = _MASK_SPECS.get(key)
     if hit is not None and hit[0]() is mask:
         return hit[1]
-    allowed = (mask if mask.dtype == torch.bool else mask == 0)[..., -nq:, -nk:]
-    mod = modifiers.dense(allowed.cpu().numpy())
-    if len(_DENSE_MASKS) >= 8:
-        _DENSE_MASKS.pop(next(iter(_DENSE_MASKS)))
-    _DENSE_MASKS[key] = (weakref.ref(mask), mod)
-    return mod
+    allowed = _visible_pairs(mask, nq, nk)
+    try:
+        spec = (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
+    except ValueError:
+        from . import modifiers
+        spec = (False, None, modifiers.dense(allowed.expand(*allowed.shape[:2], nq, nk).cpu().numpy()))
+    if len(_MASK_SPECS) >= 8:
+        _MASK_SPECS.pop(next(iter(_MASK_SPECS)))
+    _MASK_SPECS[key] = (weakref.ref(mask), spec)
+    return spec
+
+
+_MASK_SPECS: dict = {}
+
+
+def _mask_key(mask, nq, nk, sliding_window):
+    """The tensor's address, in-place version (inference tensors keep none: identity alone, checked by a weak
+    reference), shape, dtype and device, and the call's nq, nk and window."""
+    version = -1 if mask.is_inference() else mask._version
+    return (mask.data_ptr(), version, tuple(mask.shape), str(mask.dtype), str(mask.device), nq, nk, sliding_window)
+
+
+def _visible_pairs(mask, nq, nk):
+    """bool (B or 1, H or 1, nq or 1, nk) of a transformers 4-D mask: boolean, or additive with 0 where visible and
+    a large negative value (at most finfo.min / 2, or -inf) where not. The keys are the first nk columns, as
+    transformers' own attention functions take them (a mask may be wider: cache room); the rows must be nq (or
+    1, broadcast). A float mask that carries any other value (a bias folded into it) is refused: dropping the
+    bias would be a silent wrong result."""
+    if mask.dim() != 4:
+        raise ValueError(f"sandbox attention takes 4-D attention masks, got shape {tuple(mask.shape)}")
+    if mask.shape[-2] not in (nq, 1) or mask.shape[-1] < nk:
+        raise ValueError(f"attention mask of shape {tuple(mask.shape)} does not cover {nq} queries x {nk} keys")
+    m = mask[..., :nk]
+    if m.dtype == torch.bool:
+        return m
+    masked = m <= torch.finfo(m.dtype).min / 2
+    if not bool(((m == 0) | masked).all()):
+        raise ValueError("sandbox attention got an additive attention mask with values other than 0 and a large "
+                         "negative number (a bias folded into the mask?): the kernels would drop the bias")
+    return ~masked
 
 
 def _causal_from_mask(mask, nq, nk, sliding_window=None):
-    """A 4-D attention mask -> (causal, window): all-visible (False, None), plain causal bottom-right aligned
-    (True, None), causal within the last `sliding_window` keys (True, (sliding_window - 1, 0): key j is seen
-    from query i iff i' - sliding_window < j <= i', i' = i + nk - nq, transformers' sliding window); anything
-    else (padding, packed documents) raises: these kernels take no dense mask."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    allowed = allowed[..., -nq:, -nk:]
-    i = torch.arange(nq, device=mask.device)[:, None] + (nk - nq)
-    j = torch.arange(nk, device=mask.device)[None, :]
+    """A 4-D attention mask -> (causal, window) where it is all-visible (False, None), plain causal bottom-right
+    aligned (True, None) or causal within the last `sliding_window` keys (True, (sliding_window - 1, 0): key j
+    is seen from query i iff i' - sliding_window < j <= i', i' = i + nk - nq, transformers' sliding window);
+    ValueError for anything else (which _mask_spec sends to the dense mask modifier)."""
+    return _causal_from_allowed(_visible_pairs(mask, nq, nk), nq, nk, sliding_window)
+
+
+def _causal_from_allowed(allowed, nq, nk, sliding_window=None):
+    i = torch.arange(nq, device=allowed.device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=allowed.device)[None, :]
     if bool(allowed.all()):
         return False, None
     if bool((allowed == (j <= i)).all()):
         return True, None
     if sliding_window is not None and bool((allowed == ((j <= i) & (j > i - int(sliding_window)))).all()):
         return True, (int(sliding_window) - 1, 0)
-    raise ValueError("sandbox attention got an attention mask that is neither causal nor all-visible (padding?): "
-                     "these kernels take causal / window / block-sparse masks, not dense ones")
+    raise ValueError("attention mask neither causal nor all-visible (nor the model's sliding window)")

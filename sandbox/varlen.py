@@ -121,13 +121,13 @@ def _fill(x, value) -> None:
         x[...] = value
 
 
-def default_variant(q) -> str:
+def default_variant(q, params=None) -> str:
     """variant=None for a packed batch: the dtype's DEFAULT_VARIANTS entry (fa2-tc for fp16 / bf16, whose
     packed-sequence kernel takes the batch in one launch) up to its head dims, past them api.default_variant
     (fa3 on an sm_90 GPU); one name for the forward and the backward of a call."""
     name = api.DEFAULT_VARIANTS.get(dtype_name(q), api.DEFAULT_VARIANT)
     if name == "fa2-tc" and q.shape[-1] > SINGLE_LAUNCH_MAX_D:
-        return api.default_variant(q)
+        return api.default_variant(q, params)
     return name
 
 
@@ -145,7 +145,7 @@ def _single_launch_variant(q, k, v, variant, params):
     if d % 8 or d > SINGLE_LAUNCH_MAX_D or q.shape[1] % k.shape[1]:
         return None
     rest = {key: val for key, val in params.items() if key not in ("block_mask", "seed", "offset")}
-    bound = get_variant(variant if variant is not None else default_variant(q), **rest)
+    bound = get_variant(variant if variant is not None else default_variant(q, rest), **rest)
     return bound if getattr(bound.variant.impl, "varlen_forward", False) else None
 
 
@@ -216,7 +216,7 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
                     params.get("score_mod"), params.get("mask_mod"))
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
-    variant = default_variant(q) if variant is None else variant
+    variant = default_variant(q, params) if variant is None else variant
     bound = _single_launch_variant(q, k, v, variant, params) if single_launch else None
     if bound is not None:
         return _forward_single(q, k, v, lq, lk, bound, causal, scale, window)
@@ -246,7 +246,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     either forward path: the same layout). single_launch: the forward's switch, unused here."""
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
-    variant = default_variant(q) if variant is None else variant
+    variant = default_variant(q, params) if variant is None else variant
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
                          f"{tuple(out.shape)}")

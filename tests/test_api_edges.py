@@ -108,6 +108,7 @@ def test_default_variant_by_dtype_device_and_head_dim(monkeypatch):
         monkeypatch.setattr(device, "compute_capability", lambda index=None, cc=cc: cc)
         assert api.default_variant(x(d, dt)) == want, (cc, d, dt)
     monkeypatch.setattr(device, "compute_capability", lambda index=None: (9, 0))
+    assert api.default_variant(x(64), {"block_r": 64}) == "fa2-tc"        # fa2-tc's parameters: its config
     assert varlen.default_variant(torch.zeros(5, 2, 64, dtype=torch.float16)) == "fa2-tc"
     assert varlen.default_variant(torch.zeros(5, 2, 256, dtype=torch.float16)) == "fa3"
 

@@ -596,3 +596,16 @@ def test_tanh_from_the_shared_exponential_is_accurate_in_absolute_terms():
     assert (np.abs(sech2[ok] - ref[ok]) / ref[ok]).max() < 3e-5
     assert np.array_equal(np.signbit(tanh_e), np.signbit(x))          # odd: the sign is x's (copysign)
     assert "copysignf((1.0f - e) * fa_recip_1p(e), x)" in text    # the form modelled here
+
+
+def test_tile_classes_do_not_keep_a_mask_modifier_alive():
+    """A new padded mask per training step must not pile up: the classes are cached weakly per modifier."""
+    import gc
+    import weakref
+    mod = modifiers.dense(np.random.default_rng(0).random((2, 1, 40, 40)) < 0.8)
+    tiles = classify_tiles_mod(mod, 2, 2, 40, 40, 16, 16)
+    assert classify_tiles_mod(mod, 2, 2, 40, 40, 16, 16) is tiles
+    gone = weakref.ref(mod.buffers["allowed"])
+    del mod
+    gc.collect()
+    assert gone() is None

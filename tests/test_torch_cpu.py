@@ -68,6 +68,22 @@ def test_transformers_masks_translate_or_are_refused():
     additive4 = torch.where(padded4, 0.0, torch.finfo(torch.float32).min)
     np.testing.assert_array_equal(st._mask_spec(additive4, nq, nk)[2].buffers["allowed"] != 0, padded4.numpy())
     assert st._mask_spec(causal, nq, nk) == (True, None, None)
+    # transformers' attention functions take a wider mask's first nk columns (cache room after them)
+    wide = torch.cat([causal, torch.zeros(1, 1, nq, 3, dtype=torch.bool)], -1)
+    assert st._causal_from_mask(wide, nq, nk) == (True, None)
+    # an additive mask is 0 / very negative; a bias folded into it would be dropped: refused
+    assert st._causal_from_mask(torch.where(causal, 0.0, float("-inf")), nq, nk) == (True, None)
+    with pytest.raises(ValueError, match="bias"):
+        st._mask_spec(torch.where(causal, 0.5, torch.finfo(torch.float32).min), nq, nk)
+    with pytest.raises(ValueError, match="does not cover"):
+        st._mask_spec(causal[..., :nk - 1], nq, nk)
+    # a (B, 1, 1, nk) key-padding mask broadcasts over the queries; inference tensors (no version counter) work
+    with torch.inference_mode():
+        keys = torch.ones(2, 1, 1, nk, dtype=torch.bool)
+        keys[0, ..., :2] = False
+        _, _, mod = st._mask_spec(keys, nq, nk)
+        assert mod.buffers["allowed"].shape == (2, 1, nq, nk) and st._mask_spec(keys, nq, nk)[2] is mod
+        np.testing.assert_array_equal(mod.buffers["allowed"], keys.expand(2, 1, nq, nk).numpy())
 
 
 def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatch):
