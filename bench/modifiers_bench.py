@@ -328,10 +328,12 @@ def _flex_rows(seqlens, dims, reps, cases=CASES) -> list[dict]:
 
 def plot(data, path):
     """Forward and backward cost over plain causal per case, against N; one panel per direction, a line
-    per (implementation, d, case)."""
+    per (implementation, d, case); with a single N, grouped bars (case x implementation and d) instead."""
     from .plots import _figure, _finish
-    plt, fig, axes = _figure(ncols=2)
     rows = [r for r in data["rows"] if "fwd_overhead" in r]
+    if len({r["N"] for r in rows}) == 1:
+        return _bars(data, rows, path)
+    plt, fig, axes = _figure(ncols=2)
     for ax, key, title in zip(axes, ("fwd_overhead", "bwd_overhead"), ("forward", "backward")):
         for i, (impl, d, case) in enumerate(dict.fromkeys((r["impl"], r["d"], r["case"]) for r in rows)):
             pts = sorted((r["N"], 100 * r[key]) for r in rows if (r["impl"], r["d"], r["case"]) == (impl, d, case))
@@ -343,4 +345,26 @@ def plot(data, path):
         ax.set_ylabel(f"{title} time over plain causal (%)")
         ax.legend(fontsize=5)
         ax.grid(True, alpha=0.3)
+    _finish(plt, fig, data["meta"], "Score and mask modifiers: cost over plain causal", path)
+
+
+def _bars(data, rows, path):
+    """One N: per direction, a group of bars per case, one bar per (implementation, d); missing cells empty."""
+    from .plots import _figure, _finish
+    plt, fig, axes = _figure(ncols=2)
+    cases = [c for c in CASES if any(r["case"] == c for r in rows)]
+    series = list(dict.fromkeys((r["impl"], r["d"]) for r in rows))
+    width = 0.8 / max(1, len(series))
+    for ax, key, title in zip(axes, ("fwd_overhead", "bwd_overhead"), ("forward", "backward")):
+        for s_i, (impl, d) in enumerate(series):
+            vals = {r["case"]: 100 * r[key] for r in rows if (r["impl"], r["d"]) == (impl, d)}
+            xs = [c_i + (s_i - (len(series) - 1) / 2) * width for c_i, c in enumerate(cases) if c in vals]
+            ax.bar(xs, [vals[c] for c in cases if c in vals], width, label=f"{impl} d={d}",
+                   color=f"C{s_i}", hatch="//" if impl == "flex_attention" else None)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xticks(range(len(cases)), cases)
+        ax.set_ylabel(f"{title} time over plain causal (%)")
+        ax.set_title(f"{title}, N = {rows[0]['N']}", fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
     _finish(plt, fig, data["meta"], "Score and mask modifiers: cost over plain causal", path)

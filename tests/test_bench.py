@@ -230,3 +230,16 @@ def test_host_speed_table_reports_cudnn_ratios_for_fwd_and_fwd_bwd():
     assert line == "| fa3 | 128 | False | 4096 | 600 | 2.00 | 1.20 | 580 | 2.00 | 1.00 | 450 | 1.50 | 0.90 |"
     del row["sdpa-cudnn torch both TFLOP/s"]
     assert host_cost.markdown([], [row]).splitlines()[-1].endswith("| 450 | 1.50 | - |")
+
+
+def test_modifiers_plot_draws_bars_for_one_length_and_lines_for_several(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import modifiers_bench as mb
+    meta = {"device": "test", "commit": "abc", "date": "2026-11-26"}
+    rows = [{"impl": impl, "d": 64, "N": n, "case": case, "fwd_overhead": 0.1 * k, "bwd_overhead": -0.2 * k}
+            for impl in ("fa3", "flex_attention") for n in (4096,) for k, case in enumerate(("softcap", "alibi"))]
+    rows.append({"impl": "flex_attention", "d": 64, "N": 4096, "case": "sinks", "status": "skipped: sinks"})
+    mb.plot({"meta": meta, "rows": rows}, tmp_path / "bars.png")
+    rows += [dict(r, N=8192) for r in rows if "fwd_overhead" in r]
+    mb.plot({"meta": meta, "rows": rows}, tmp_path / "lines.png")
+    assert (tmp_path / "bars.png").stat().st_size > 10_000 and (tmp_path / "lines.png").stat().st_size > 10_000
