@@ -29,7 +29,6 @@ offsets avoid it).
 from __future__ import annotations
 
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -106,7 +105,7 @@ def _fa_grad_scalar(s, b, h, i, j, cap, slopes, geom):
 
 
 _FA_SLOPE = "slopes[min(b, slopes_shape0 - 1) * slopes_shape1 + h]"
-_HOST_SLOPES: dict = {}       # (pointer, version, shape, dtype, device) -> (weak reference to the tensor, host copy)
+_HOST_SLOPES = st.TensorDerived(64)      # slopes tensor -> its host copy (float64)
 
 
 def _host_slopes(t) -> np.ndarray:
@@ -116,15 +115,7 @@ def _host_slopes(t) -> np.ndarray:
     counts only while the tensor it was read from is alive: once that tensor is freed, its address (and
     version 0) may come back with another tensor's values (seen in CI: a later test's slopes read as an
     earlier test's)."""
-    key = (t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
-    entry = _HOST_SLOPES.get(key)
-    if entry is not None and entry[0]() is not None:
-        return entry[1]
-    if len(_HOST_SLOPES) > 64:
-        _HOST_SLOPES.clear()
-    host = t.detach().cpu().numpy().astype(np.float64)
-    _HOST_SLOPES[key] = (weakref.ref(t), host)
-    return host
+    return _HOST_SLOPES.get(t, lambda: t.detach().cpu().numpy().astype(np.float64))
 
 
 def _alibi_causal_form(causal, window_size, Nk: int) -> bool:

@@ -332,35 +332,49 @@ def _softcap_mod(cap: float):
     return modifiers.softcap(cap)
 
 
+class TensorDerived:
+    """Values derived from a torch tensor's contents (a host copy, a mask's translation), kept while that
+    tensor lives and is unchanged: keyed by its address, in-place version (inference tensors keep none:
+    identity alone), shape, dtype, device and the caller's `extra`, and valid only while a weak reference
+    still points at the same tensor (a freed tensor's address comes back with other values). At most
+    `size` entries, oldest out first."""
+
+    def __init__(self, size: int):
+        self.entries: dict = {}
+        self.size = size
+
+    def get(self, t, make, extra: tuple = ()):
+        version = -1 if t.is_inference() else t._version
+        key = (t.data_ptr(), version, tuple(t.shape), str(t.dtype), str(t.device)) + tuple(extra)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        value = make()
+        self.entries.pop(key, None)
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (weakref.ref(t), value)
+        return value
+
+
 def _mask_spec(mask, nq, nk, sliding_window=None):
     """A model's 4-D attention mask -> (causal, window, dense mask modifier or None): plain causal or sliding
     window as the kernels' options (_causal_from_mask), anything else (padding, packed documents) as
-    modifiers.dense of the visible pairs. The answer is cached per mask tensor (a model hands every layer the
+    modifiers.dense of the visible pairs. The answer is kept per mask tensor (a model hands every layer the
     same one: the checks' waits on the stream and the host copy happen once per mask)."""
-    key = _mask_key(mask, nq, nk, sliding_window)
-    hit = _MASK_SPECS.get(key)
-    if hit is not None and hit[0]() is mask:
-        return hit[1]
+    return _MASK_SPECS.get(mask, lambda: _translate(mask, nq, nk, sliding_window), (nq, nk, sliding_window))
+
+
+def _translate(mask, nq, nk, sliding_window):
     allowed = _visible_pairs(mask, nq, nk)
     try:
-        spec = (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
+        return (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
     except ValueError:
         from . import modifiers
-        spec = (False, None, modifiers.dense(allowed.expand(*allowed.shape[:2], nq, nk).cpu().numpy()))
-    if len(_MASK_SPECS) >= 8:
-        _MASK_SPECS.pop(next(iter(_MASK_SPECS)))
-    _MASK_SPECS[key] = (weakref.ref(mask), spec)
-    return spec
+        return False, None, modifiers.dense(allowed.expand(*allowed.shape[:2], nq, nk).cpu().numpy())
 
 
-_MASK_SPECS: dict = {}
-
-
-def _mask_key(mask, nq, nk, sliding_window):
-    """The tensor's address, in-place version (inference tensors keep none: identity alone, checked by a weak
-    reference), shape, dtype and device, and the call's nq, nk and window."""
-    version = -1 if mask.is_inference() else mask._version
-    return (mask.data_ptr(), version, tuple(mask.shape), str(mask.dtype), str(mask.device), nq, nk, sliding_window)
+_MASK_SPECS = TensorDerived(8)
 
 
 def _visible_pairs(mask, nq, nk):

@@ -154,7 +154,7 @@ def test_host_slopes_of_a_freed_tensor_are_not_reused():
     t = torch.tensor([0.5, 0.25, 0.125, 0.0625])
     gone = torch.tensor([9.0, 9.0, 9.0, 9.0])
     key = (t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
-    fa._HOST_SLOPES[key] = (weakref.ref(gone), np.full(4, 9.0))   # as if gone had lived at t's address
+    fa._HOST_SLOPES.entries[key] = (weakref.ref(gone), np.full(4, 9.0))   # as if gone had lived at t's address
     del gone
     gc.collect()
     np.testing.assert_array_equal(fa._host_slopes(t), [0.5, 0.25, 0.125, 0.0625])
@@ -272,3 +272,11 @@ def test_head_dims_off_the_multiple_of_8_are_padded_for_16_bit_only():
     assert fa._pad_head_dim(q32)[0] is q32
     q64 = torch.randn(1, 3, 2, 64).half()
     assert fa._pad_head_dim(q64)[0] is q64
+
+
+def test_inference_tensors_are_read_without_a_version_counter():
+    """Slopes made under torch.inference_mode have no version counter: read (and kept) by identity."""
+    with torch.inference_mode():
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+        np.testing.assert_array_equal(fa._host_slopes(slopes), [0.5, 0.25, 0.125, 0.0625])
+        assert fa._host_slopes(slopes) is fa._host_slopes(slopes)
