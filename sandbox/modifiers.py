@@ -554,7 +554,7 @@ def sink_grad(dout, out, lse, score_mod: ScoreMod) -> np.ndarray:
 # ---- built-in mask modifiers
 
 def _document_np(b, h, i, j, q_ids, kv_ids):
-    return q_ids[np.minimum(b, q_ids.shape[0] - 1), i] == kv_ids[np.minimum(b, kv_ids.shape[0] - 1), j]
+    return q_ids[b if q_ids.shape[0] > 1 else 0, i] == kv_ids[b if kv_ids.shape[0] > 1 else 0, j]
 
 
 def _document_scalar(b, h, i, j, q_ids, kv_ids):
@@ -580,7 +580,9 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
 
 
 def _dense_np(b, h, i, j, allowed):
-    return allowed[np.minimum(b, allowed.shape[0] - 1), np.minimum(h, allowed.shape[1] - 1), i, j]
+    # a scalar index on an axis of extent 1: the result's shape then says the mask does not depend on it (the
+    # tile tables' extents, MaskMod.visible)
+    return allowed[b if allowed.shape[0] > 1 else 0, h if allowed.shape[1] > 1 else 0, i, j]
 
 
 def _dense_scalar(b, h, i, j, allowed):
@@ -610,7 +612,7 @@ def dense(allowed) -> MaskMod:
 
 
 def _prefix_np(b, h, i, j, prefix):
-    return (j <= i) | (j < prefix[np.minimum(b, prefix.shape[0] - 1)])
+    return (j <= i) | (j < (prefix[b] if prefix.shape[0] > 1 else prefix[0]))
 
 
 def _prefix_scalar(b, h, i, j, prefix):

@@ -139,15 +139,19 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
 
 def test_auto_persistent_is_on_at_d128_where_it_fits():
     """persistent="auto": the persistent grid at D = 128 (measured 0-8% faster there), at D = 64 only on short
-    walks (3% slower at N >= 8k), not with modifiers, ping-pong, or where two Q buffers do not fit beside the ring
-    (stages=3)."""
+    walks (3% slower at N >= 8k), with modifiers the same (3-13% faster at N = 4k causal) but with two consumers
+    only; not with ping-pong, or where two Q buffers do not fit beside the ring (stages=3)."""
     for name in ("fa3", "fa3-ws"):
         cfg = sandbox.get_variant(name).config
         assert cfg.persistent == "auto"
         assert [cfg.for_head_dim(D).persistent for D in (64, 128, 192, 256)] == [False, True, False, False]
         assert [cfg.for_head_dim(D, short=True).persistent for D in (64, 128, 192, 256)] == [True, True, False, False]
-        assert cfg.for_head_dim(64, mods=True, short=True).persistent is False
-        assert cfg.for_head_dim(128, mods=True).persistent is False
+        with_mods = [cfg.for_head_dim(64, mods=True, short=True), cfg.for_head_dim(128, mods=True)]
+        assert [(c.persistent, c.consumers) for c in with_mods] == [(True, 2), (True, 2)]
+        assert cfg.for_head_dim(64, mods=True).persistent is False                       # long walks
+        three = sandbox.get_variant(name, consumers=3).config                             # spills persistent
+        assert three.for_head_dim(64, short=True).persistent and not three.for_head_dim(64, True, True).persistent
+        assert ", true, 10, false>" in cfg.forward_name("float16", 128, False, mods=True)
         assert sandbox.get_variant(name, stages=3).config.for_head_dim(128).persistent is False
         assert sandbox.get_variant(name, persistent=False).config.for_head_dim(128).persistent is False
         assert sandbox.get_variant(name, persistent=True).config.for_head_dim(64).persistent is True
@@ -169,8 +173,10 @@ def test_mean_visible_keys_counts_every_row(Nq, Nk, causal, window):
 
 def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
     """At d = 64 persistent="auto" is on where a row sees at most 3k keys on average (N = 2k, causal N = 4k on the
-    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, and never with modifiers or an explicit choice."""
+    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, with modifiers the same (two consumers), and
+    never against an explicit choice."""
     import variants.fa3_ws as ws
+    from sandbox import modifiers
     from sandbox.problem import Problem
     from variants.fa3_ws import short_walk
     monkeypatch.setattr(ws, "sm_count", lambda: 132)
@@ -185,6 +191,9 @@ def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
         assert resolved(2048, True).persistent and resolved(4096, True).persistent
         assert not resolved(4096, False).persistent and not resolved(8192, True).persistent
         assert resolved(2048, True).consumers == 3
+        softcap = modifiers.softcap(20.0)
+        assert [(c.persistent, c.consumers) for c in (resolved(4096, True, score_mod=softcap),
+                                                       resolved(8192, True, score_mod=softcap))] == [(True, 2), (False, 2)]
         assert not impl._resolved(Problem(4, 8, 8, 2048, 2048, 64, "float16", causal=True),
                                   sandbox.get_variant(name, persistent=False).config).persistent
         assert resolved(16384, True, window=(512, 0)).persistent
@@ -412,7 +421,8 @@ def test_wgmma_backward_past_128_is_refused_on_the_gpu():
 def test_persistent_blocks_walk_every_item(monkeypatch, name, dtype):
     """persistent=True with the grid capped at three blocks, so that each walks many (Q tile, batch, head) items
     and reuses both Q buffers and the K / V ring across items: causal GQA with dead rows, dropout, a window,
-    block-sparse, a negative scale, a score and a mask modifier, d = 64 (three consumers) and 128 (two)."""
+    block-sparse, a negative scale, score and mask modifiers (the default with modifiers at d = 128 and on short
+    walks at d = 64), d = 64 (three consumers, two with modifiers) and 128 (two)."""
     import variants.fa3_ws as ws
     from sandbox import fuzz, modifiers
     from sandbox.masks import BlockSparse
@@ -425,7 +435,11 @@ def test_persistent_blocks_walk_every_item(monkeypatch, name, dtype):
              fuzz.Case(2, 2, 2, 64, 90, 128, dtype, {"scale": -0.3, "causal": True}, 5),
              fuzz.Case(1, 4, 2, 700, 300, 128, dtype, {"causal": True}, 6),
              fuzz.Case(1, 4, 2, 120, 260, 64, dtype, {"score_mod": modifiers.softcap(5.0), "causal": True}, 7),
-             fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"mask_mod": modifiers.document(np.arange(300) // 100)}, 8)]
+             fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"mask_mod": modifiers.document(np.arange(300) // 100)}, 8),
+             fuzz.Case(2, 4, 2, 200, 333, 128, dtype, {"score_mod": modifiers.alibi(modifiers.alibi_slopes(4)),
+                                                       "causal": True}, 9),
+             fuzz.Case(1, 4, 4, 190, 190, 96, dtype, {"score_mod": modifiers.sinks(np.linspace(-1, 2, 4)),
+                                                      "mask_mod": modifiers.prefix_lm(np.array([50]))}, 10)]
     for case in cases:
         p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
         cfg = bound.variant.impl._resolved(p, bound.config)

@@ -147,11 +147,18 @@ def test_plans_leave_modifiers_to_the_generic_path():
 FORWARD_BUILDS = [("fa3", "float16", D, sm, mm) for D in (64, 128) for sm, mm in
                   (("softcap", None), ("alibi", None), ("relative_bias", None), ("sinks", None),
                    (None, "document"), (None, "prefix_lm"))] + \
-                 [("fa3-ws", "bfloat16", 128, "softcap+sinks", "document"), ("fa3-wgmma", "float16", 64, "alibi", "document")]
+                 [("fa3-ws", "bfloat16", 128, "softcap+sinks", "document"), ("fa3-wgmma", "float16", 64, "alibi", "document")] + \
+                 [("fa3", "bfloat16", 64, sm, mm, "short") for sm, mm in (("softcap", None), ("alibi", None),
+                                                                         ("relative_bias", "document"))]
 
 
-def _forward_unit(name, dtype, D, sm, mm):
-    return _config(name).unit(dtype, D, ModKernel.of(_problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)))
+def _forward_unit(name, dtype, D, sm, mm, walk="long"):
+    """The build a forward with these modifiers launches; fa3's "auto"s resolved at D with modifiers (walk "short":
+    the persistent grid at D = 64, as on short walks)."""
+    cfg = _config(name)
+    if hasattr(cfg, "for_head_dim"):
+        cfg = cfg.for_head_dim(D, mods=True, short=walk == "short")
+    return cfg.unit(dtype, D, ModKernel.of(_problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)))
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,8 @@ from sandbox.masks import classify_tiles, classify_tiles_mod
 from sandbox.precision import dtype_name
 from sandbox.registry import Capabilities, Param, Variant, philox_rounds_param, register
 
+from . import mask_tiles
+
 LOG2E = 1.4426950408889634      # exp(x) = exp2(x * LOG2E): the kernel's scores are in log2 units
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]  # H100/H200 per-block opt-in maximum
 CTYPE = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -367,7 +369,8 @@ def _device_copy(arr: np.ndarray, xp):
 
 def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
     """(tile table [Bm * Hm, ceil(Nq/Br), ceil(Nk/Bc)] int8, i32(Hm) its heads, i32(Bm) its batch extent):
-    the classes of band AND block mask AND mask modifier (masks.classify_tiles_mod, cached per mask) so
+    the classes of band AND block mask AND mask modifier (on the GPU: variants/mask_tiles.py; xp None:
+    masks.classify_tiles_mod on the host; each cached per mask) so
     that the kernels skip empty tiles and run the predicate in partial ones only; without a mask
     modifier the usual table (Bm = 1). xp None: host arrays."""
     if p.mask_mod is None:
@@ -375,10 +378,12 @@ def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
             t = classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
             return t, i32(t.shape[0]), i32(1)
         return (*tile_table(p, block_r, block_c, xp), i32(1))
-    cls = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+    if xp is None:
+        cls = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+    else:                       # on the GPU from the modifier's CUDA form (variants/mask_tiles.py), cached per mask
+        cls = mask_tiles.device_classes(p, block_r, block_c, xp, _buffer_args(p.mask_mod, xp))
     Bm, Hm = cls.shape[:2]
-    table = np.ascontiguousarray(cls.reshape(Bm * Hm, *cls.shape[2:]))
-    return _device_copy(table, xp), i32(Hm), i32(Bm)
+    return cls.reshape(Bm * Hm, *cls.shape[2:]), i32(Hm), i32(Bm)
 
 
 def forward_scale_log2(p) -> float:
@@ -402,8 +407,15 @@ def modifier_args(p, tile_b, xp=None, forward: bool = False) -> tuple:
     args = (i32(tile_b), f32(abs(p.scale) * pre), _device_copy(modifiers.sink_vector(p.score_mod, p.Hq), xp))
     for mod in (p.score_mod, p.mask_mod):
         if mod is not None:
-            for arr in modifiers.cuda_buffers(mod):
-                args += (_device_copy(arr, xp), *(i32(n) for n in arr.shape))
+            args += _buffer_args(mod, xp)
+    return args
+
+
+def _buffer_args(mod, xp) -> tuple:
+    """A modifier's buffers as its CUDA form takes them: each (a device copy) followed by its int32 shape."""
+    args = ()
+    for arr in modifiers.cuda_buffers(mod):
+        args += (_device_copy(arr, xp), *(i32(n) for n in arr.shape))
     return args
 
 

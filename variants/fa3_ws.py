@@ -92,7 +92,9 @@ def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False) -> "Ws
     plain = not config.pingpong and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent))
-    if config.persistent == "auto" and plain and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
+    # modifiers: persistent with two consumer warpgroups only (three spill a soft-cap's build, more so persistent)
+    may_persist = not config.pingpong and (not mods or consumers == 2)
+    if config.persistent == "auto" and may_persist and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
         on = dataclasses.replace(c, persistent=True)
         c = on if on.forward_smem(D) <= SMEM_LIMIT else c        # two Q buffers beside stages=3 do not fit
     return c
@@ -116,9 +118,12 @@ class WsConfig:
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
-        problem's walks are `short` (short_walk: 1-6% faster there, 1-4% slower on longer ones). Both keep the old
-        choice with ping-pong (two warpgroups, its own schedule) or `mods` (score / mask modifiers compiled in: a
-        soft-cap's text spills at 160 registers a thread)."""
+        problem's walks are `short` (short_walk: 1-6% faster there, 1-4% slower on longer ones). With ping-pong
+        (two warpgroups, its own schedule) neither changes. With `mods` (score / mask modifiers compiled in)
+        consumers stay 2 (three spill a soft-cap's build at 160 registers a thread and measured 7-47% slower
+        than two with soft-cap, ALiBi and a document mask at d = 64, N = 4k causal), and persistent follows the
+        same rule as without, with two consumers only: at N = 4k causal it measured 3-13% faster than the
+        non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1)."""
         if self.consumers != "auto" and self.persistent != "auto":
             return self
         return _resolve(self, D, mods, short)
@@ -323,8 +328,9 @@ PARAMS = (
     Param("persistent", ("auto", False, True), "auto", "one block per SM taking (Q tile, head) items from an atomic "
           "counter, with two Q buffers: the next item's Q and K / V load under this one's last GEMMs and epilogue "
           "(FA3 Sec. 3.1's persistent kernel and tile scheduler; d <= 128, no ping-pong); auto: on at 64 < d <= 128 "
-          "without modifiers (measured 0-8% faster there), at d <= 64 where a query row sees at most 3k keys on "
-          "average and the Q tiles outnumber the SMs (1-6% faster there, 1-4% slower on longer rows)"),
+          "(measured 0-8% faster there, 4-13% with modifiers), at d <= 64 where a query row sees at most 3k keys on "
+          "average and the Q tiles outnumber the SMs (1-6% faster there, 1-4% slower on longer rows); with "
+          "modifiers only with two consumer warpgroups"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
