@@ -109,7 +109,7 @@ def test_device_table_equals_the_host_table(name, make, B, Hq, Nq, Nk, br, bc):
 
 @gpu
 def test_device_table_with_a_per_head_block_mask():
-    layout = np.random.default_rng(3).random((4, 5, 6)) < 0.6
+    layout = np.random.default_rng(3).random((4, 5, 9)) < 0.6
     bm = BlockSparse(layout, (31, 17))
     mm = M.document(np.repeat(np.arange(3), 50)[:150])
     dev, host = _both(mm, 2, 4, 150, 150, 64, 32, block_mask=bm)
