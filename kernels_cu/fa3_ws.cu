@@ -247,8 +247,9 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
 #ifdef FA_MODS
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
-            mod_scores<FA_SEED_S>(s, walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, mask, b, h,
-                       row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+            const int cls = walk.cls[t];
+            mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls == TILE_BAND, mask,
+                       b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
                 mask_scores<1, NT, NC == 3>(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);

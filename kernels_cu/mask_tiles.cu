@@ -12,10 +12,11 @@
 //   mask_tiles<THREADS>   grid (ceil(Nk / Bc), ceil(Nq / Br), Bm * Hm), THREADS threads; block (tc, tr, z) classes
 //       tile (tr, tc) of table row z = bm * Hm + hm, the predicate seen at batch entry bm and head hm (Bm = 1:
 //       the predicate does not depend on the batch entry, so b = 0 stands for every one; Hm likewise).
-//       Every in-range element (i < Nq, j < Nk) is tested: band, block layout, then mask_mod (only where
-//       the first two pass, so a buffer indexed by i or j is never read out of range). Columns past Nk count
-//       as visible for FULL and invisible for EMPTY, rows past Nq not at all: the host's rule
-//       (masks._tile_row_classes). __syncthreads_or / _and reduce the block's flags.
+//       Every in-range element (i < Nq, j < Nk) is tested: mask_mod (a buffer indexed by i or j is never read
+//       out of range), band and block layout. Columns past Nk count as visible for FULL and invisible for EMPTY,
+//       rows past Nq not at all: the host's rule (masks._tile_row_classes). A partial tile whose elements
+//       mask_mod all sees is TILE_BAND (tiles.cuh: the forwards test the band alone there). __syncthreads_or /
+//       _and reduce the block's flags.
 // The host side: sandbox/mask_tiles.py (launch, cache, the table's extent from the modifier's NumPy form).
 #include "common.cuh"
 #include "tiles.cuh"
@@ -35,15 +36,19 @@ mask_tiles(signed char* __restrict__ out, int tile_heads, int Nq, int Nk, int BR
     const Mask mask = MASK_FROM_PARAMS;
     const int r0 = tr * BR, c0 = tc * BC;
     const int rows = min(BR, Nq - r0), cols = min(BC, Nk - c0);
-    int some = 0, every = 1;
+    int some = 0, every = 1, mod_every = 1;
     for (int e = threadIdx.x; e < rows * cols; e += THREADS) {
         const int i = r0 + e / cols, j = c0 + e % cols;
-        const bool v = mask.visible(h, i, j) && mask_mod(b, h, i, j FA_MM_ARGS);
+        const bool m = mask_mod(b, h, i, j FA_MM_ARGS);
+        const bool v = m && mask.visible(h, i, j);
         some |= v;
         every &= v;
+        mod_every &= m;
     }
     some = __syncthreads_or(some);
     every = __syncthreads_and(every);
+    mod_every = __syncthreads_and(mod_every);
     if (threadIdx.x == 0)
-        out[((long long)z * n_row_tiles + tr) * n_col_tiles + tc] = !some ? TILE_EMPTY : every ? TILE_FULL : TILE_PARTIAL;
+        out[((long long)z * n_row_tiles + tr) * n_col_tiles + tc] =
+            !some ? TILE_EMPTY : every ? TILE_FULL : mod_every ? TILE_BAND : TILE_PARTIAL;
 }

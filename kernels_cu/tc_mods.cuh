@@ -177,10 +177,12 @@ __device__ __forceinline__ void seed_scores_t(float (&s)[MT][NT][4], float slope
 // element in range and visible). A full tile
 // runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
 // without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
-// (a buffer indexed by i or j must not be read past its end).
+// (a buffer indexed by i or j must not be read past its end). `mod_all` (the tile's class is TILE_BAND: the mask
+// modifier sees every element of it, the band or block mask not) tests the band alone: the causal diagonal tiles
+// of a document mask skip the predicate's two id loads per score.
 template <bool SEEDED = false, int MT, int NT>
-__device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, const Mask& mask, int b, int h,
-                                           int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
+__device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, bool mod_all, const Mask& mask, int b,
+                                           int h, int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
 #if defined(FA_DIST_BIAS)
     static_assert(SEEDED, "FA_DIST_BIAS: the kernel seeds its S accumulator (seed_scores) and says so (SEEDED)");
     if (full) return;
@@ -210,7 +212,8 @@ __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, con
             for (int e = 0; e < 4; ++e) {
                 const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
                 const int i = row_base + g + di, j = col0 + 2 * tq + dj;
-                const bool vis = i < Nq && j < Nk && mod_visible(mask, b, h, i, j, MOD_FN_ARGS);
+                const bool vis = i < Nq && j < Nk && (mod_all ? mask.visible(h, i, j)
+                                                               : mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
 #ifdef FA_SCORE_MOD
                 if (vis) s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, i, j, fi0 + (float)di, fj0 + (float)dj
                                                  FA_SM_ARGS);

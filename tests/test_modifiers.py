@@ -11,7 +11,8 @@ from hypothesis import Phase, given, settings
 
 import sandbox
 from sandbox import fuzz, modifiers, oracle
-from sandbox.masks import TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, BlockSparse, classify_tiles, classify_tiles_mod
+from sandbox.masks import (TILE_BAND, TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, BlockSparse, classify_tiles,
+                          classify_tiles_mod)
 from sandbox.modifiers import MaskMod, ScoreMod
 from sandbox.registry import all_variants
 
@@ -287,22 +288,29 @@ def test_tile_classes_of_a_mask_modifier_are_exact(mask_mod):
     for band, (br, bc) in ((Band.from_options(N, N, False, (None, 6)), (2, 2)),
                            (Band.from_options(N, N, True, None), (4, 3))):
         tiles = classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm)
-        vis = (mask_mod.visible(B, H, np.arange(N), N) & band.element_mask(N, N) & bm.element_mask(N, N)[None])
-        vis = np.broadcast_to(vis, (B, H, N, N))
+        mod = np.broadcast_to(mask_mod.visible(B, H, np.arange(N), N), (B, H, N, N))
+        vis = mod & band.element_mask(N, N) & bm.element_mask(N, N)[None]
         for b, h, tr, tc in np.ndindex(B, H, *tiles.shape[2:]):
-            t = vis[b, h, tr * br:(tr + 1) * br, tc * bc:(tc + 1) * bc]
-            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else TILE_PARTIAL)
+            rows, cols = slice(tr * br, (tr + 1) * br), slice(tc * bc, (tc + 1) * bc)
+            t = vis[b, h, rows, cols]
+            # partial: TILE_BAND where the modifier sees every element (the band or block mask cut the tile)
+            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else
+                                                   TILE_BAND if mod[b, h, rows, cols].all() else TILE_PARTIAL)
             assert tiles[min(b, tiles.shape[0] - 1), min(h, tiles.shape[1] - 1), tr, tc] == want
         assert classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm) is tiles          # cached
     tiles = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band(), bm)
     assert {TILE_EMPTY, TILE_FULL, TILE_PARTIAL} <= set(np.unique(tiles).tolist())
+    causal = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band.from_options(N, N, True, None))
+    assert TILE_BAND in causal           # diagonal tiles inside one document / the prefix / a dense run of Trues
 
 
 def test_an_all_visible_mask_modifier_keeps_the_band_classes():
     everything = MaskMod("all", lambda b, h, i, j: (j >= 0) & (i >= 0), lambda b, h, i, j: True, "true")
     band = Band.from_options(9, 11, True, (4, None))
     tiles = classify_tiles_mod(everything, 1, 1, 9, 11, 4, 4, band)
-    np.testing.assert_array_equal(tiles, classify_tiles(9, 11, 4, 4, band)[None])
+    plain = classify_tiles(9, 11, 4, 4, band)[None]
+    assert (plain == TILE_PARTIAL).any()
+    np.testing.assert_array_equal(tiles, np.where(plain == TILE_PARTIAL, TILE_BAND, plain))   # the band alone cuts
 
 
 # ---- the Numba variants against the oracle (CUDA simulator on the CPU)
