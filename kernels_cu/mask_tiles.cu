@@ -9,15 +9,17 @@
 // new mask per batch would pay per step. This kernel computes the same table from the modifier's CUDA form.
 //
 // Kernel
-//   mask_tiles<THREADS>   grid (ceil(Nk / Bc), ceil(Nq / Br), Bm * Hm), THREADS threads; block (tc, tr, z) classes
-//       tile (tr, tc) of table row z = bm * Hm + hm, the predicate seen at batch entry bm and head hm (Bm = 1:
-//       the predicate does not depend on the batch entry, so b = 0 stands for every one; Hm likewise).
-//       Every in-range element (i < Nq, j < Nk) is tested: mask_mod (a buffer indexed by i or j is never read
-//       out of range), band and block layout. Columns past Nk count as visible for FULL and invisible for EMPTY,
-//       rows past Nq not at all: the host's rule (masks._tile_row_classes). A partial tile whose elements
-//       mask_mod all sees is TILE_BAND (tiles.cuh: the forwards test the band alone there). __syncthreads_or /
-//       _and reduce the block's flags.
-// The host side: sandbox/mask_tiles.py (launch, cache, the table's extent from the modifier's NumPy form).
+//   mask_tiles<THREADS>   grid (ceil(Nk / Bc) * Bm * Hm, ceil(Nq / Br)), THREADS threads; block (x, tr) classes
+//       tile (tr, tc = x % n_col_tiles) of table row z = x / n_col_tiles = bm * Hm + hm (x, not z: Bm * Hm may
+//       pass the 65535 blocks of grid z), the predicate seen at batch entry bm and head hm (Bm = 1: the predicate
+//       does not depend on the batch entry, so b = 0 stands for every one; Hm likewise).
+//       Every in-range element (i < Nq, j < Nk) is tested: band and block layout, then mask_mod where they show
+//       it, as the forwards test it (a buffer indexed by i or j is never read out of range, nor a table indexed
+//       by i - j outside the band). Columns past Nk count as visible for FULL and invisible for EMPTY, rows
+//       past Nq not at all: the host's rule (masks._tile_row_classes). A partial tile where mask_mod is true
+//       wherever the band and block layout show is TILE_BAND (tiles.cuh: the forwards test the band alone
+//       there). __syncthreads_or / _and reduce the block's flags.
+// The host side: variants/mask_tiles.py (launch, cache, the table's extent from the modifier's NumPy form).
 #include "common.cuh"
 #include "tiles.cuh"
 
@@ -31,7 +33,7 @@ template <int THREADS>
 __global__ void __launch_bounds__(THREADS)
 mask_tiles(signed char* __restrict__ out, int tile_heads, int Nq, int Nk, int BR, int BC, int n_row_tiles,
            int n_col_tiles, MASK_PARAMS FA_MM_PARAMS) {
-    const int tc = blockIdx.x, tr = blockIdx.y, z = blockIdx.z;
+    const int tc = blockIdx.x % n_col_tiles, tr = blockIdx.y, z = blockIdx.x / n_col_tiles;
     const int b = z / tile_heads, h = z % tile_heads;
     const Mask mask = MASK_FROM_PARAMS;
     const int r0 = tr * BR, c0 = tc * BC;
@@ -39,11 +41,11 @@ mask_tiles(signed char* __restrict__ out, int tile_heads, int Nq, int Nk, int BR
     int some = 0, every = 1, mod_every = 1;
     for (int e = threadIdx.x; e < rows * cols; e += THREADS) {
         const int i = r0 + e / cols, j = c0 + e % cols;
-        const bool m = mask_mod(b, h, i, j FA_MM_ARGS);
-        const bool v = m && mask.visible(h, i, j);
+        const bool shown = mask.visible(h, i, j);
+        const bool v = shown && mask_mod(b, h, i, j FA_MM_ARGS);
         some |= v;
         every &= v;
-        mod_every &= m;
+        mod_every &= v == shown;                  // the predicate hides nothing the band shows
     }
     some = __syncthreads_or(some);
     every = __syncthreads_and(every);

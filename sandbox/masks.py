@@ -168,7 +168,7 @@ def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
 def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int, block_c: int,
                        band: Band = Band(), block_mask: BlockSparse | None = None) -> np.ndarray:
     """int8 [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes of band AND block_mask AND mask_mod (exact); a partial
-    tile that mask_mod sees all of (partial by the band or block mask alone) is TILE_BAND, which the forwards with
+    tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, which the forwards with
     modifiers check without the predicate and every other reader takes as TILE_PARTIAL.
 
     Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
@@ -196,12 +196,13 @@ def _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_m
         r = np.arange(tr * block_r, min((tr + 1) * block_r, Nq))
         mod = mask_mod.visible(B, Hq, r, Nk)                      # [Bm, Hm, rows, Nk]
         dij = np.arange(Nk)[None, :] - r[:, None]
-        vis = mod & ((dij >= band.lo) & (dij <= band.hi))[None, None]
+        shown = ((dij >= band.lo) & (dij <= band.hi))[None, None]
         if block_mask is not None:
             bq, bk = block_mask.block
-            vis = vis & block_mask.layout[:, r // bq][:, :, np.arange(Nk) // bk][None]
+            shown = shown & block_mask.layout[:, r // bq][:, :, np.arange(Nk) // bk][None]
+        vis = mod & shown
         cls = _tile_row_classes(vis, nc, block_c)
-        mod_all = _tile_row_classes(mod, nc, block_c) == TILE_FULL             # partial by the band alone
+        mod_all = _tile_row_classes(mod | ~shown, nc, block_c) == TILE_FULL    # partial by the band alone
         rows.append(np.where((cls == TILE_PARTIAL) & mod_all, TILE_BAND, cls))
     Bm = max(x.shape[0] for x in rows)
     Hm = max(x.shape[1] for x in rows)

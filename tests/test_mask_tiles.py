@@ -78,7 +78,7 @@ def _both(mm, B, Hq, Nq, Nk, br, bc, causal=False, window=None, block_mask=None)
     q = np.zeros((B, Hq, Nq, 8), np.float16)
     k = np.zeros((B, Hq, Nk, 8), np.float16)
     p = make_problem(q, k, k, causal=causal, window=window, block_mask=block_mask, mask_mod=mm)
-    dev = mask_tiles.device_classes(p, br, bc, cp, _buffer_args(mm, cp))
+    dev = mask_tiles.device_classes(p, br, bc, cp, lambda: _buffer_args(mm, cp))
     host = classify_tiles_mod(mm, B, Hq, Nq, Nk, br, bc, p.band, block_mask)
     return cp.asnumpy(dev), host
 
@@ -90,6 +90,7 @@ CASES = [
     ("dense", lambda: M.dense(np.random.default_rng(1).random((2, 1, 130, 97)) < 0.97), 2, 8, 130, 97),
     ("dense-heads", lambda: M.dense(np.broadcast_to(np.arange(97) < np.array([10, 60, 97])[:, None, None],
                                                     (1, 3, 64, 97)).copy()), 1, 3, 64, 97),
+    ("dense-batch-heads", lambda: M.dense(np.random.default_rng(4).random((3, 2, 90, 77)) < 0.9), 3, 2, 90, 77),
     ("square", lambda: _quadratic_window(40), 1, 1, 500, 333),
     ("striped", lambda: _striped_heads(3), 2, 3, 70, 90),
 ]
@@ -114,6 +115,9 @@ def test_device_table_with_a_per_head_block_mask():
     mm = M.document(np.repeat(np.arange(3), 50)[:150])
     dev, host = _both(mm, 2, 4, 150, 150, 64, 32, block_mask=bm)
     assert dev.shape == host.shape == (1, 4, 3, 5) and np.array_equal(dev, host)
+    per_batch = M.prefix_lm([10, 120])                     # batch from the predicate, heads from the layout
+    dev, host = _both(per_batch, 2, 4, 150, 150, 64, 32, causal=True, block_mask=bm)
+    assert dev.shape == host.shape == (2, 4, 3, 5) and np.array_equal(dev, host)
 
 
 @gpu
@@ -130,7 +134,7 @@ def test_device_table_search(n_docs, Nq, extra_k, seed, causal, left, tile):
 
 
 @gpu
-def test_device_tables_are_cached_per_mask_and_tile_and_run_on_a_side_stream():
+def test_device_tables_are_cached_per_mask_and_stream():
     import cupy as cp
     from sandbox.problem import make_problem
     from variants.fa2_tc import _buffer_args
@@ -139,9 +143,14 @@ def test_device_tables_are_cached_per_mask_and_tile_and_run_on_a_side_stream():
     p = make_problem(q, q, q, mask_mod=mm)          # the classifier launches where the caller's stream is current
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        first = mask_tiles.device_classes(p, 64, 64, cp, _buffer_args(mm, cp))
-        assert mask_tiles.device_classes(p, 64, 64, cp, _buffer_args(mm, cp)) is first
+        first = mask_tiles.device_classes(p, 64, 64, cp, lambda: _buffer_args(mm, cp))
+        assert mask_tiles.device_classes(p, 64, 64, cp, lambda: _buffer_args(mm, cp)) is first
         done = stream.record()
     done.synchronize()
     assert np.array_equal(cp.asnumpy(first), classify_tiles_mod(mm, 1, 2, 100, 100, 64, 64))
-    assert mask_tiles.device_classes(p, 64, 32, cp, _buffer_args(mm, cp)) is not first     # another tile: its own
+    other = cp.cuda.Stream(non_blocking=True)
+    with other:                      # another stream: its own launch, ordered on it (a hit there could race)
+        second = mask_tiles.device_classes(p, 64, 64, cp, lambda: _buffer_args(mm, cp))
+        assert second is not first
+        other.synchronize()
+    assert np.array_equal(cp.asnumpy(second), cp.asnumpy(first))

@@ -289,13 +289,14 @@ def test_tile_classes_of_a_mask_modifier_are_exact(mask_mod):
                            (Band.from_options(N, N, True, None), (4, 3))):
         tiles = classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm)
         mod = np.broadcast_to(mask_mod.visible(B, H, np.arange(N), N), (B, H, N, N))
-        vis = mod & band.element_mask(N, N) & bm.element_mask(N, N)[None]
+        shown = np.broadcast_to(band.element_mask(N, N) & bm.element_mask(N, N)[None], (B, H, N, N))
+        vis = mod & shown
         for b, h, tr, tc in np.ndindex(B, H, *tiles.shape[2:]):
             rows, cols = slice(tr * br, (tr + 1) * br), slice(tc * bc, (tc + 1) * bc)
             t = vis[b, h, rows, cols]
-            # partial: TILE_BAND where the modifier sees every element (the band or block mask cut the tile)
-            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else
-                                                   TILE_BAND if mod[b, h, rows, cols].all() else TILE_PARTIAL)
+            # partial: TILE_BAND where the modifier hides nothing the band and block mask show (they cut the tile)
+            band_alone = (mod | ~shown)[b, h, rows, cols].all()
+            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else TILE_BAND if band_alone else TILE_PARTIAL)
             assert tiles[min(b, tiles.shape[0] - 1), min(h, tiles.shape[1] - 1), tr, tc] == want
         assert classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm) is tiles          # cached
     tiles = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band(), bm)

@@ -12,6 +12,7 @@ consumers' setmaxnreg budget. With a GPU (`pytest -m gpu`): fa3 and fa3-ws (and 
 the oracle with every built-in, forward and backward, fp16 and bf16, causal and not, GQA, ragged N, and a
 short Hypothesis run; the modules are built in parallel before the first launch.
 """
+import dataclasses
 import re
 from pathlib import Path
 
@@ -149,15 +150,18 @@ FORWARD_BUILDS = [("fa3", "float16", D, sm, mm) for D in (64, 128) for sm, mm in
                    (None, "document"), (None, "prefix_lm"))] + \
                  [("fa3-ws", "bfloat16", 128, "softcap+sinks", "document"), ("fa3-wgmma", "float16", 64, "alibi", "document")] + \
                  [("fa3", "bfloat16", 64, sm, mm, "short") for sm, mm in (("softcap", None), ("alibi", None),
-                                                                         ("relative_bias", "document"))]
+                                                                         ("relative_bias", "document"))] + \
+                 [("fa3", "float16", 128, sm, mm, "tiles") for sm, mm in (("softcap", None), ("alibi", "document"))]
 
 
 def _forward_unit(name, dtype, D, sm, mm, walk="long"):
     """The build a forward with these modifiers launches; fa3's "auto"s resolved at D with modifiers (walk "short":
-    the persistent grid at D = 64, as on short walks)."""
+    the persistent grid at D = 64, as on short walks; "tiles": the per-tile grid, persistent=False)."""
     cfg = _config(name)
     if hasattr(cfg, "for_head_dim"):
         cfg = cfg.for_head_dim(D, mods=True, short=walk == "short")
+        if walk == "tiles":
+            cfg = dataclasses.replace(cfg, persistent=False)
     return cfg.unit(dtype, D, ModKernel.of(_problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)))
 
 

@@ -381,7 +381,7 @@ def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
     if xp is None:
         cls = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
     else:                       # on the GPU from the modifier's CUDA form (variants/mask_tiles.py), cached per mask
-        cls = mask_tiles.device_classes(p, block_r, block_c, xp, _buffer_args(p.mask_mod, xp))
+        cls = mask_tiles.device_classes(p, block_r, block_c, xp, lambda: _buffer_args(p.mask_mod, xp))
     Bm, Hm = cls.shape[:2]
     return cls.reshape(Bm * Hm, *cls.shape[2:]), i32(Hm), i32(Bm)
 

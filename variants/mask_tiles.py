@@ -6,7 +6,7 @@ them on the host from the NumPy form (the CPU variants and the argument-packing 
 over the score matrix, seconds at N = 32k. Here the modifier's CUDA form does the same pass on the GPU, on the
 caller's stream, with no host copy of anything the GPU computed; the table's extent (Bm, Hm) comes from the
 NumPy form evaluated at one element per (batch entry, head), whose broadcast shape says which axes the
-predicate depends on. The two tables are equal element for element (tests/test_gpu_mask_tiles.py).
+predicate depends on. The two tables are equal element for element (tests/test_mask_tiles.py).
 """
 from __future__ import annotations
 
@@ -14,15 +14,14 @@ import weakref
 
 import numpy as np
 
-from sandbox import modifiers
+from sandbox import modifiers, stream_counters
 from sandbox.launch import cuda_options, i32, mask_args
 from sandbox.loader import CompileUnit, launch
-from sandbox.masks import classify_tiles_mod
 
 THREADS = 256
 KERNEL = f"mask_tiles<{THREADS}>"
 
-_TABLES = weakref.WeakKeyDictionary()    # mask modifier -> {(device, shape, tiles, band, block mask): table}
+_TABLES = weakref.WeakKeyDictionary()    # mask modifier -> {(device, stream, shape, tiles, band, block mask): table}
 _MAX_PER_MOD = 16
 
 
@@ -41,25 +40,30 @@ def unit(mask_mod) -> CompileUnit:
                        label=f"mask_tiles[{mask_mod.name}:{mask_mod.cuda_key}]")
 
 
-def device_classes(p, block_r: int, block_c: int, xp, buffer_args: tuple) -> np.ndarray:
+def device_classes(p, block_r: int, block_c: int, xp, buffer_args) -> np.ndarray:
     """int8 device array [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)]: the classes of problem p's band AND block mask AND
-    mask modifier, as classify_tiles_mod gives them on the host. buffer_args: the mask modifier's buffers as the
-    kernels take them (device arrays, each followed by its int32 shape). Cached per (modifier, problem shape,
-    tile, band, block mask) while the modifier lives: a loop over one mask classifies once."""
+    mask modifier, as classify_tiles_mod gives them on the host. buffer_args(): the mask modifier's buffers as the
+    kernels take them (device arrays, each followed by its int32 shape), called on a cache miss only.
+
+    Launched on the current stream and cached per (modifier, stream, problem shape, tile, band, block mask) while
+    the modifier lives: a loop over one mask classifies once per stream, and a hit reads a table its own stream
+    wrote before (stream order; another stream's table could still be in flight). Not cached while the stream is
+    captured into a CUDA graph: the launch is recorded there, not run, and runs on each replay."""
     mm = p.mask_mod
     nr, nc = -(-p.Nq // block_r), -(-p.Nk // block_c)
-    if nr == 0 or nc == 0:                                    # nothing to classify: the host's empty table
-        return xp.asarray(classify_tiles_mod(mm, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask))
-    key = (xp.cuda.Device().id, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+    stream = xp.cuda.get_current_stream()
+    capturing = stream_counters.capturing(stream)
+    key = (xp.cuda.Device().id, stream.ptr, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
     per_mod = _TABLES.setdefault(mm, {})
-    hit = per_mod.get(key)
+    hit = None if capturing else per_mod.get(key)
     if hit is None:
         Bm, Hm = extent(mm, p.B, p.Hq, p.block_mask)
         hit = xp.empty((Bm, Hm, nr, nc), dtype=xp.int8)
-        launch(unit(mm), KERNEL, (nc, nr, Bm * Hm), (THREADS,),
+        launch(unit(mm), KERNEL, (nc * Bm * Hm, nr), (THREADS,),
                (hit, i32(Hm), i32(p.Nq), i32(p.Nk), i32(block_r), i32(block_c), i32(nr), i32(nc), *mask_args(p, xp),
-                *buffer_args))
-        if len(per_mod) >= _MAX_PER_MOD:
-            per_mod.pop(next(iter(per_mod)))
-        per_mod[key] = hit
+                *buffer_args()))
+        if not capturing:
+            if len(per_mod) >= _MAX_PER_MOD:
+                per_mod.pop(next(iter(per_mod)))
+            per_mod[key] = hit
     return hit
