@@ -265,3 +265,34 @@ def test_torch_compile_fullgraph(name):
     tol = 1e-5 if dtype == "float32" else 2e-2
     torch.testing.assert_close(y_comp, y_eager, rtol=tol, atol=tol)
     torch.testing.assert_close(g_comp, g_eager, rtol=tol * 5, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa2-tc"])
+def test_new_mask_modifier_on_a_busy_side_stream(name):
+    """A mask modifier never seen before, called from torch on a side stream behind a long sleep, in bf16 with
+    autograd: its buffers' upload and its tile classes (variants/mask_tiles.py) run on that stream without a
+    synchronisation (the call returns while the stream is busy), and the output matches the oracle."""
+    from sandbox import modifiers
+    import sandbox.torch as st
+    dtype = "bfloat16"
+    q, k, v, _ = _inputs(name, dtype, seed=5)
+    warm = modifiers.document(np.arange(q.shape[2]) // 37)
+    st.attention(*(_to_torch(x, dtype) for x in (q, k, v)), variant=name, causal=True, enable_gqa=True, mask_mod=warm)
+    torch.cuda.synchronize()                                  # modules built: the call under test compiles nothing
+    mm = modifiers.document(np.arange(q.shape[2]) // 41)      # a new mask: new buffers, a new tile table
+    src = [_to_torch(x, dtype) for x in (q, k, v)]
+    dst = [torch.full_like(x, float("nan")).requires_grad_(True) for x in src]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        with torch.no_grad():
+            for d_, s_ in zip(dst, src):
+                d_.copy_(s_)
+        out = st.attention(*dst, variant=name, causal=True, enable_gqa=True, mask_mod=mm)
+        busy = not side.query()
+        out.float().sum().backward()
+    torch.cuda.synchronize()
+    assert busy, "the call waited for the GPU (a synchronisation inside the call)"
+    assert out.dtype == torch.bfloat16 and all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in dst)
+    _check_forward(out, q, k, v, dtype, causal=True, mask_mod=mm)
