@@ -1,5 +1,5 @@
 """sandbox.distributed on two GPUs (NCCL): ring attention (zig-zag and contiguous) and Ulysses with
-fa2-tc in float16 and bfloat16, causal and not, GQA, forward and backward, against the float64
+fa2-tc and fa3 in float16 and bfloat16, causal and not, GQA, forward and backward, against the float64
 oracle under the tensor-core tier (sandbox/tolerance.py), beside the single-GPU result on the full
 sequence, which must pass the same check.
 
@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.gpu,
 WORLD = 2
 
 
-def _case(name, method, dtype, Hq, Hkv, causal, layout, N=512, d=64):
+def _case(name, method, dtype, Hq, Hkv, causal, layout, N=512, d=64, variant="fa2-tc"):
     return dict(name=f"{name}-{dtype}", method=method, B=1, Hq=Hq, Hkv=Hkv, N=N, d=d, causal=causal,
-                layout=layout, dtype=dtype, seed=sum(map(ord, name + dtype)), variant="fa2-tc", params={})
+                layout=layout, dtype=dtype, seed=sum(map(ord, name + dtype)), variant=variant, params={})
 
 
 CASES = [c for dtype in ("float16", "bfloat16") for c in (
@@ -35,6 +35,10 @@ CASES = [c for dtype in ("float16", "bfloat16") for c in (
     _case("ring-zigzag-d128", "ring", dtype, 2, 2, False, "zigzag", N=256, d=128),
     _case("ulysses-causal-gqa", "ulysses", dtype, 4, 2, True, "contiguous"),
     _case("ulysses-zigzag", "ulysses", dtype, 4, 4, False, "zigzag"),
+    # fa3 (the default on sm_90 elsewhere): each ring step's causal block of q against a k / v chunk, lse merged
+    _case("fa3-ring-zigzag-causal-gqa", "ring", dtype, 4, 2, True, "zigzag", variant="fa3"),
+    _case("fa3-ring-contiguous-d128", "ring", dtype, 2, 2, True, "contiguous", N=384, d=128, variant="fa3"),
+    _case("fa3-ulysses-causal-gqa", "ulysses", dtype, 4, 2, True, "contiguous", variant="fa3"),
 )]
 
 
