@@ -240,9 +240,9 @@ def _configure(q, k, v, group, causal, scale, dropout_p, variant, params, layout
                          f"q {tuple(q.shape)} and k {tuple(k.shape)}")
     _check_dropout(dropout_p)
     layout = _layout(layout, problem.causal)
-    # variant=None: the dtype's DEFAULT_VARIANTS entry (fa2-tc for fp16 / bf16, what the two-GPU tests run), not
-    # api.default_variant's fa3 on sm_90: name variant="fa3" for it (not yet run on two GPUs)
-    bound = get_variant(api.DEFAULT_VARIANTS[problem.dtype] if variant is None else variant, **params)
+    # variant=None: api.default_variant, as the one-GPU entry points (fa3 for fp16 / bf16 on sm_90, run on two H100s
+    # in session 12: tests/test_distributed_gpu.py), else the dtype's DEFAULT_VARIANTS entry
+    bound = get_variant(api.default_variant(q, params) if variant is None else variant, **params)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     bound.check(problem, "both" if needs_grad else "forward")   # dtype, head dim, causal, GQA, backward
     world, rank = _group_info(group)
