@@ -325,6 +325,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
         auto visible = [&](int i, int j) {            // the band / block mask, and the mask modifier where there is one
 #ifdef FA_MODS
+#ifdef FA_MASK_MOD
+            if (cls == TILE_BAND) return mask.visible(h, i, j);     // tiles.cuh: the predicate hides nothing here
+#endif
             return mod_visible(mask, b, h, i, j, MOD_FN_ARGS);
 #else
             return mask.visible(h, i, j);
