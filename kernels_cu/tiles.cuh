@@ -6,8 +6,8 @@
 #define TILE_FULL 1       // everything visible (for j < Nk): no per-element mask
 #define TILE_PARTIAL 2    // some visible: the element predicate is applied
 #define TILE_BAND 3       // partial under the band / block mask, while a mask modifier sees all of it: the
-                          // forwards with modifiers test the band only (tc_mods.cuh mod_scores); every other
-                          // reader takes it as PARTIAL
+                          // forwards with modifiers (tc_mods.cuh mod_scores) and fa3_bwd2 test the band only;
+                          // every other reader takes it as PARTIAL
 
 // ---- device helpers
 

@@ -168,8 +168,9 @@ def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
 def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int, block_c: int,
                        band: Band = Band(), block_mask: BlockSparse | None = None) -> np.ndarray:
     """int8 [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes of band AND block_mask AND mask_mod (exact); a partial
-    tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, which the forwards with
-    modifiers check without the predicate and every other reader takes as TILE_PARTIAL.
+    tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, which
+    the forwards with modifiers and fa3_bwd2 check without the predicate and every other reader takes as
+    TILE_PARTIAL.
 
     Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
     the head. Cached per (mask_mod, shape, tile size, band, block mask) by identity: a loop over one
