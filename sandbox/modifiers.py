@@ -55,10 +55,16 @@ so out = sum_j P_ij v_j (a row that sees no key has out = 0 and lse = sink_h). T
 is unchanged, since it recomputes P from lse; the sink logit's own gradient is
 d loss / d sink_h = -sum_{b, i} exp(sink_h - lse_bhi) * D_bhi (`sink_grad`).
 
-Buffers are captured NumPy arrays (bool, int or float). The Numba kernels receive them as device
-arrays (floats as float32, integers as int32); kernels are compiled per modifier *code* (its
-scalar functions and buffer count), not per buffer values, so alibi(slopes) with new slopes reuses
-its kernels.
+Buffers are captured arrays (bool, int or float), copied when the modifier is made. A host array (NumPy,
+a list, a CPU tensor) is kept as NumPy. A device array (a torch CUDA tensor, a CuPy array) stays on its GPU
+as a `DeviceBuffer`: the copy is made there, on the caller's stream, and the CUDA C kernels and the GPU tile
+classifier read it in place, so a mask built on the GPU each step (a model's padding mask, per-batch document
+ids) never waits for the device or crosses to the host. The NumPy and scalar forms (the oracle, the CPU and
+Numba variants) read a host copy, made on first use (that waits for the device). A device buffer is not
+checked for non-finite values (that would wait too), and integers wider than 32 bits are range-checked on
+the way to int32 (one wait; give int32 to avoid it). The Numba kernels receive buffers as device arrays
+(floats as float32, integers as int32); kernels are compiled per modifier *code* (its scalar functions and
+buffer count), not per buffer values, so alibi(slopes) with new slopes reuses its kernels.
 """
 from __future__ import annotations
 
@@ -122,8 +128,79 @@ def _text(value, what):
     return value
 
 
+class DeviceBuffer:
+    """A captured buffer that lives on a GPU: a C-contiguous CuPy copy in the kernels' type (bool, int32 or
+    float32), made on the caller's stream from the array the modifier was given (module docstring). `array`
+    is what the CUDA C kernels read; `host()` is the NumPy copy the NumPy and scalar forms read (made once,
+    on first use: it waits for the device); `stand_in()` a zero array of the same shape and type, for
+    questions about shapes alone (the tile table's extent), which need no copy."""
+
+    __slots__ = ("array", "shape", "dtype", "ndim", "size", "nbytes", "device", "_host")
+
+    def __init__(self, array):
+        self.array = array
+        self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+        self.ndim, self.size, self.nbytes = array.ndim, array.size, array.nbytes
+        self.device = array.device.id
+        self._host = None
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            import cupy as cp
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.deviceSynchronize()     # the copy ran on the maker's stream, which may not be ours
+                arr = self.array.get()
+            arr.setflags(write=False)
+            self._host = arr
+        return self._host
+
+    def stand_in(self) -> np.ndarray:
+        return np.broadcast_to(np.zeros((), self.dtype), self.shape)
+
+    def __repr__(self):
+        return f"DeviceBuffer(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+
+def is_device_array(value) -> bool:
+    """A torch CUDA tensor, a CuPy array or another __cuda_array_interface__ array (no import of either)."""
+    top = type(value).__module__.split(".")[0]
+    if top == "torch":
+        return bool(getattr(value, "is_cuda", False))
+    return top == "cupy" or hasattr(value, "__cuda_array_interface__")
+
+
+def _device_buffer(value, owner, name) -> DeviceBuffer:
+    """A DeviceBuffer copy of a device array, on the caller's stream (no wait, but for integers wider than
+    32 bits, whose range is checked before they become int32)."""
+    from . import arrays
+    with arrays.caller_stream(value):
+        view = arrays._to_device(value, f"{owner}: buffer {name!r}")
+        import cupy as cp
+        if str(view.dtype) == "bfloat16":
+            view = arrays.to_float32(view, cp)
+        kind = view.dtype.kind
+        if kind not in "biuf":
+            raise TypeError(f"{owner}: buffer {name!r} must be bool, int or float, got dtype {view.dtype}")
+        if view.size == 0 or view.ndim == 0:
+            raise ValueError(f"{owner}: buffer {name!r} must be a non-empty array (shape {view.shape})")
+        target = np.bool_ if kind == "b" else _KERNEL_DTYPES[kind]
+        if kind in "iu" and view.dtype.itemsize >= 4 and view.dtype != np.int32:
+            lo, hi = int(view.min()), int(view.max())              # waits for the device
+            if lo < -2**31 or hi >= 2**31:
+                raise ValueError(f"{owner}: buffer {name!r} does not fit in int32, which the CUDA kernels take")
+        return DeviceBuffer(cp.array(view, dtype=target, order="C", copy=True))
+
+
+def host_buffers(buffers: dict, stand_ins: bool = False) -> dict:
+    """The buffers as the NumPy and scalar forms take them: NumPy arrays (a DeviceBuffer's host copy, or with
+    `stand_ins` its zero stand-in, which costs nothing and answers questions of shape)."""
+    return {name: (arr if isinstance(arr, np.ndarray) else arr.stand_in() if stand_ins else arr.host())
+            for name, arr in buffers.items()}
+
+
 def _buffers(buffers, owner) -> dict:
-    """Captured arrays, by name: identifiers other than s, b, h, i, j; bool, int or float, not empty."""
+    """Captured arrays, by name: identifiers other than s, b, h, i, j; bool, int or float, not empty. A device
+    array becomes a DeviceBuffer (module docstring), anything else a read-only NumPy copy."""
     if buffers is None:
         return {}
     if not isinstance(buffers, dict):
@@ -134,6 +211,12 @@ def _buffers(buffers, owner) -> dict:
     for name, value in buffers.items():
         if not isinstance(name, str) or not name.isidentifier() or name in RESERVED:
             raise ValueError(f"{owner}: buffer name {name!r} must be an identifier other than {RESERVED}")
+        if isinstance(value, DeviceBuffer):           # a copy of a modifier (dataclasses.replace): already a copy
+            out[name] = value
+            continue
+        if is_device_array(value):
+            out[name] = _device_buffer(value, owner, name)
+            continue
         arr = np.array(value)            # a copy: later changes to the caller's array do not leak in
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"{owner}: buffer {name!r} must be bool, int or float, got dtype {arr.dtype}")
@@ -235,7 +318,7 @@ class ScoreMod:
     def apply(self, s, b, h, i, j):
         """The NumPy form on broadcastable arrays -> float64 array of the broadcast shape."""
         with np.errstate(over="ignore", invalid="ignore"):
-            out = self.numpy(s, b, h, i, j, **self.buffers)
+            out = self.numpy(s, b, h, i, j, **host_buffers(self.buffers))
         return np.broadcast_to(np.asarray(out, dtype=np.float64), np.broadcast_shapes(np.shape(s), np.shape(out)))
 
     def derivative(self, s, b, h, i, j):
@@ -244,7 +327,7 @@ class ScoreMod:
             raise ValueError(f"score_mod {self.name!r} has no derivative (grad): it is forward-only, "
                              "so no backward can run with it")
         with np.errstate(over="ignore", invalid="ignore"):
-            out = self.grad(s, b, h, i, j, **self.buffers)
+            out = self.grad(s, b, h, i, j, **host_buffers(self.buffers))
         return np.broadcast_to(np.asarray(out, dtype=np.float64), np.broadcast_shapes(np.shape(s), np.shape(out)))
 
     def sink_logits(self, H: int) -> np.ndarray:
@@ -331,11 +414,12 @@ class MaskMod:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
         return f"MaskMod({self.name}{', ' + args if args else ''})"
 
-    def visible(self, B: int, H: int, rows, Nk: int) -> np.ndarray:
+    def visible(self, B: int, H: int, rows, Nk: int, stand_ins: bool = False) -> np.ndarray:
         """bool (Bm, Hm, len(rows), Nk), Bm in {1, B}, Hm in {1, H}: the axes the predicate does not
-        depend on stay 1 (its NumPy form's broadcast shape says which)."""
+        depend on stay 1 (its NumPy form's broadcast shape says which). `stand_ins`: device buffers are
+        read as zeros of their shape (host_buffers), for the shape alone, with no host copy."""
         b, h, i, j = index_grids(B, H, rows, Nk)
-        out = np.asarray(self.numpy(b, h, i, j, **self.buffers))
+        out = np.asarray(self.numpy(b, h, i, j, **host_buffers(self.buffers, stand_ins)))
         if out.dtype != np.bool_:
             raise TypeError(f"mask_mod {self.name!r}: the NumPy form must return booleans, got {out.dtype}")
         full = np.broadcast_shapes(out.shape, (1, 1, len(np.atleast_1d(rows)), Nk))
@@ -563,7 +647,8 @@ def _document_scalar(b, h, i, j, q_ids, kv_ids):
 
 def document(seq_ids, kv_seq_ids=None) -> MaskMod:
     """Document (packed-sequence) mask: query i sees key j iff they carry the same sequence id.
-    seq_ids: int (Nq,) or (B, Nq); kv_seq_ids: the keys' (default: seq_ids, for Nq == Nk)."""
+    seq_ids: int (Nq,) or (B, Nq); kv_seq_ids: the keys' (default: seq_ids, for Nq == Nk). Ids on the GPU (a
+    torch CUDA tensor, a CuPy array) stay there (DeviceBuffer; int32 ids need no wait, wider ones one)."""
     q_ids = _int_ids(seq_ids, "document: seq_ids")
     kv_ids = q_ids if kv_seq_ids is None else _int_ids(kv_seq_ids, "document: kv_seq_ids")
 
@@ -576,7 +661,8 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
                    "q_ids[min(b, q_ids_shape0 - 1) * q_ids_shape1 + i] == "
                    "kv_ids[min(b, kv_ids_shape0 - 1) * kv_ids_shape1 + j]",
                    buffers={"q_ids": q_ids, "kv_ids": kv_ids}, check=check,
-                   params={"documents": int(len(np.unique(q_ids)))})
+                   params={"on": "device"} if is_device_array(q_ids) else
+                   {"documents": int(len(np.unique(q_ids)))})
 
 
 def _dense_np(b, h, i, j, allowed):
@@ -589,26 +675,39 @@ def _dense_scalar(b, h, i, j, allowed):
     return allowed[min(b, allowed.shape[0] - 1), min(h, allowed.shape[1] - 1), i, j]
 
 
+_DENSE_CUDA = ("allowed[(((long long)min(b, allowed_shape0 - 1) * allowed_shape1 + min(h, allowed_shape1 - 1)) "
+               "* allowed_shape2 + i) * allowed_shape3 + j] != 0")
+
+
+def _dense_check(shape):
+    def check(B, Hq, Nq, Nk):
+        if shape[0] not in (1, B) or shape[1] not in (1, Hq) or tuple(shape[2:]) != (Nq, Nk):
+            raise ValueError(f"dense: the mask has shape {shape}; need (1 or B={B}, 1 or Hq={Hq}, {Nq}, {Nk})")
+    return check
+
+
 def dense(allowed) -> MaskMod:
     """A dense boolean mask, (B or 1, H or 1, Nq, Nk), True where query i may see key j: what a model's 4-D
     attention mask (padding, packed documents) says, element by element. The tile classes come from it (empty
     tiles skipped, full ones unchecked), so a padding mask costs a byte load per score of its partial tiles
-    only. The kernels read it as bytes (cuda_buffers: a view, no copy)."""
+    only. The kernels read it as bytes (cuda_buffers: a view, no copy). A mask on the GPU (a torch CUDA tensor,
+    a CuPy array) stays there: it is copied on the caller's stream, with no wait (DeviceBuffer)."""
+    if is_device_array(allowed):
+        if str(allowed.dtype) not in ("bool", "torch.bool"):
+            raise TypeError(f"dense: the mask must be boolean, got dtype {allowed.dtype}")
+        if len(allowed.shape) != 4:
+            raise ValueError(f"dense: the mask must be 4-D (B or 1, H or 1, Nq, Nk), got shape {tuple(allowed.shape)}")
+        shape = tuple(allowed.shape)
+        return MaskMod("dense", _dense_np, _dense_scalar, _DENSE_CUDA, buffers={"allowed": allowed},
+                       check=_dense_check(shape), params={"shape": shape, "on": "device"})
     arr = np.asarray(allowed)
     if arr.dtype != np.bool_:
         raise TypeError(f"dense: the mask must be boolean, got dtype {arr.dtype}")
     if arr.ndim != 4 or arr.size == 0:
         raise ValueError(f"dense: the mask must be 4-D (B or 1, H or 1, Nq, Nk), got shape {arr.shape}")
 
-    def check(B, Hq, Nq, Nk):
-        if arr.shape[0] not in (1, B) or arr.shape[1] not in (1, Hq) or arr.shape[2:] != (Nq, Nk):
-            raise ValueError(f"dense: the mask has shape {arr.shape}; need (1 or B={B}, 1 or Hq={Hq}, {Nq}, {Nk})")
-
-    return MaskMod("dense", _dense_np, _dense_scalar,
-                   "allowed[(((long long)min(b, allowed_shape0 - 1) * allowed_shape1 + min(h, allowed_shape1 - 1)) "
-                   "* allowed_shape2 + i) * allowed_shape3 + j] != 0",
-                   buffers={"allowed": arr}, check=check,
-                   params={"shape": tuple(arr.shape), "visible": float(arr.mean())})
+    return MaskMod("dense", _dense_np, _dense_scalar, _DENSE_CUDA, buffers={"allowed": arr},
+                   check=_dense_check(arr.shape), params={"shape": tuple(arr.shape), "visible": float(arr.mean())})
 
 
 def _prefix_np(b, h, i, j, prefix):
@@ -639,6 +738,13 @@ def prefix_lm(prefix_len) -> MaskMod:
 
 
 def _int_ids(ids, what):
+    if is_device_array(ids):                   # checked and made int32 by _buffers, on the device
+        if str(ids.dtype).removeprefix("torch.") not in ("int8", "int16", "int32", "int64", "uint8", "uint16",
+                                                         "uint32", "uint64"):
+            raise TypeError(f"{what} must be integers, got dtype {ids.dtype}")
+        if len(ids.shape) not in (1, 2) or math.prod(ids.shape) == 0:
+            raise ValueError(f"{what} must have shape (N,) or (B, N), got {tuple(ids.shape)}")
+        return ids[None] if len(ids.shape) == 1 else ids
     arr = np.array(ids)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must be integers, got dtype {arr.dtype}")
@@ -661,7 +767,7 @@ def twin_errors(mod, B=1, H=2, Nq=5, Nk=6, seed=0, rtol=1e-5) -> list[str]:
     b, h, i, j = index_grids(B, H, np.arange(Nq), Nk)
     shape = (B, H, Nq, Nk)
     idx = [np.broadcast_to(x, shape) for x in (b, h, i, j)]
-    bufs = list(mod.buffers.values())
+    bufs = list(host_buffers(mod.buffers).values())
     errs = []
     if isinstance(mod, MaskMod):
         vec = np.broadcast_to(mod.visible(B, H, np.arange(Nq), Nk), shape)
@@ -778,6 +884,9 @@ def cuda_buffers(mod) -> list:
     followed by its shape on the kernel's side."""
     out = []
     for name, arr in mod.buffers.items():
+        if isinstance(arr, DeviceBuffer):                # already the kernels' type, checked when captured
+            out.append(arr.array.view(np.uint8) if arr.dtype == np.bool_ else arr.array)
+            continue
         if arr.dtype.kind in "iu" and arr.size and (arr.min() < -2**31 or arr.max() >= 2**31):
             raise ValueError(f"{mod.name}: buffer {name!r} does not fit in int32, which the CUDA kernels take")
         if arr.dtype == np.bool_ and arr.flags.c_contiguous:

@@ -273,9 +273,10 @@ def register_transformers(name: str = "sandbox", variant=None, **params) -> str:
     """Register the kernels as a transformers attention implementation: afterwards
     `AutoModel.from_config(cfg, attn_implementation=name)` (or `model.set_attn_implementation(name)`)
     runs attention through `attention(...)`. The mask function registered beside it is SDPA's, which
-    gives None when the mask is plain causal; a causal or sliding-window mask becomes the kernels' causal
-    and window options, any other (padding, packed documents) the `dense` mask modifier (`_mask_spec`:
-    read to the host once per mask tensor, which waits for the stream; eager calls only).
+    gives None when the mask is plain causal; any boolean mask it does build (padding, packed documents, a
+    sliding window) becomes the `dense` mask modifier, read by the kernels where it lies on the GPU, with no
+    wait for the stream (`_mask_spec`; an additive float mask is checked once per mask tensor, which waits;
+    eager calls only).
     What a model passes beside the mask is honoured or refused, never dropped: `softcap` (Gemma 2) becomes
     the soft-cap score modifier (eager calls), `sliding_window` (Mistral, Gemma 2) a causal window of that
     many keys when the mask says the same (or when there is no mask and more keys than that), and the
@@ -354,24 +355,34 @@ class TensorDerived:
         if len(self.entries) >= self.size:
             self.entries.pop(next(iter(self.entries)))
         self.entries[key] = (weakref.ref(t), value)
+        weakref.finalize(t, self.entries.pop, key, None)      # a large value (a device mask copy) goes with t
         return value
 
 
 def _mask_spec(mask, nq, nk, sliding_window=None):
-    """A model's 4-D attention mask -> (causal, window, dense mask modifier or None): plain causal or sliding
-    window as the kernels' options (_causal_from_mask), anything else (padding, packed documents) as
-    modifiers.dense of the visible pairs. The answer is kept per mask tensor (a model hands every layer the
-    same one: the checks' waits on the stream and the host copy happen once per mask)."""
+    """A model's 4-D attention mask -> (causal, window, dense mask modifier or None). The answer is kept per mask
+    tensor (a model hands every layer the same one).
+    - A boolean mask (what transformers builds for this implementation: sdpa_mask, registered beside it) on the
+      GPU becomes modifiers.dense of it as it is, copied on the caller's stream: nothing waits for the device and
+      nothing crosses to the host, so a new mask per step costs no synchronisation (and a causal mask still runs
+      causal work only: the GPU tile classifier finds the empty tiles). Telling a causal or sliding-window mask
+      apart from a padding mask would need its values on the host.
+    - An additive float mask is checked for a folded bias (a wait on the stream, once per mask), and then a
+      plain causal or sliding-window mask becomes the kernels' options (_causal_from_mask), anything else the
+      dense mask modifier of its visible pairs. A mask on the CPU takes the same route, with no wait."""
     return _MASK_SPECS.get(mask, lambda: _translate(mask, nq, nk, sliding_window), (nq, nk, sliding_window))
 
 
 def _translate(mask, nq, nk, sliding_window):
+    from . import modifiers
     allowed = _visible_pairs(mask, nq, nk)
+    full = allowed.expand(*allowed.shape[:2], nq, nk)
+    if mask.dtype == torch.bool and mask.is_cuda:
+        return False, None, modifiers.dense(full)
     try:
         return (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
     except ValueError:
-        from . import modifiers
-        return False, None, modifiers.dense(allowed.expand(*allowed.shape[:2], nq, nk).cpu().numpy())
+        return False, None, modifiers.dense(full if full.is_cuda else full.numpy())
 
 
 _MASK_SPECS = TensorDerived(8)

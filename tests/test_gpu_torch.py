@@ -296,3 +296,61 @@ def test_new_mask_modifier_on_a_busy_side_stream(name):
     assert busy, "the call waited for the GPU (a synchronisation inside the call)"
     assert out.dtype == torch.bfloat16 and all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in dst)
     _check_forward(out, q, k, v, dtype, causal=True, mask_mod=mm)
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa2-tc"])
+def test_masks_built_on_the_gpu_never_cross_to_the_host(name):
+    """Mask modifiers made from GPU tensors on a busy side stream (document ids as int32, a boolean padding mask
+    through the transformers translation): their buffers stay on the device (modifiers.DeviceBuffer), copied on
+    that stream, so neither making them nor the call waits for the GPU (the stream is still busy when both
+    return), and the output matches the oracle on the same mask."""
+    from sandbox import modifiers
+    import sandbox.torch as st
+    dtype = "bfloat16"
+    q, k, v, _ = _inputs(name, dtype, seed=7)
+    B, _, N, _ = q.shape
+    src = [_to_torch(x, dtype) for x in (q, k, v)]
+    warm = st._translate(torch.ones(B, 1, N, N, dtype=torch.bool, device="cuda").tril_(), N, N, None)[2]
+    st.attention(*src, variant=name, enable_gqa=True, mask_mod=warm)
+    st.attention(*src, variant=name, causal=True, enable_gqa=True,
+                 mask_mod=modifiers.document(torch.zeros(N, dtype=torch.int32, device="cuda")))
+    torch.cuda.synchronize()                                  # modules built: the calls under test compile nothing
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        ids = (torch.arange(N, device="cuda", dtype=torch.int32) // 37)             # written behind the sleep
+        first = torch.arange(B, device="cuda")[:, None] * 29                         # (no host tensor: its copy waits)
+        keep = torch.arange(N, device="cuda")[None, :] >= first                       # left padding, per batch row
+        pad = (keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool, device="cuda").tril())
+        doc = modifiers.document(ids)
+        causal, window, dense = st._mask_spec(pad, N, N)
+        out_doc = st.attention(*src, variant=name, causal=True, enable_gqa=True, mask_mod=doc)
+        out_pad = st.attention(*src, variant=name, enable_gqa=True, mask_mod=dense)
+        busy = not side.query()
+    torch.cuda.synchronize()
+    assert busy, "making a mask from GPU tensors, or the call, waited for the GPU (a synchronisation)"
+    assert (causal, window) == (False, None)
+    assert isinstance(doc.buffers["q_ids"], modifiers.DeviceBuffer)
+    assert isinstance(dense.buffers["allowed"], modifiers.DeviceBuffer)
+    np.testing.assert_array_equal(dense.buffers["allowed"].host(), pad.cpu().numpy())
+    _check_forward(out_doc, q, k, v, dtype, causal=True, mask_mod=doc)
+    # padded query rows see no key (out = 0) in both; the visible ones match the oracle
+    _check_forward(out_pad, q, k, v, dtype, mask_mod=dense)
+
+
+def test_device_buffers_keep_their_copy_and_their_gpu():
+    """A device buffer is a copy (a later in-place change of the caller's tensor does not reach the modifier, whose
+    tile classes are cached), and the kernels' type: int64 ids become int32, a bool mask stays bool (read as bytes)."""
+    from sandbox import modifiers
+    ids = torch.arange(64, device="cuda") // 10                       # int64
+    mm = modifiers.document(ids)
+    ids.zero_()
+    buf = mm.buffers["q_ids"]
+    assert buf.dtype == np.int32 and buf.shape == (1, 64)
+    np.testing.assert_array_equal(buf.host()[0], np.arange(64) // 10)
+    assert modifiers.cuda_buffers(mm)[0] is buf.array
+    big = torch.full((3,), 2**40, device="cuda")
+    with pytest.raises(ValueError, match="int32"):
+        modifiers.document(big)
+    with pytest.raises(TypeError, match="boolean"):
+        modifiers.dense(torch.zeros(1, 1, 4, 4, device="cuda"))

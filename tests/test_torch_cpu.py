@@ -86,6 +86,21 @@ def test_transformers_masks_translate_or_are_refused():
         np.testing.assert_array_equal(mod.buffers["allowed"], keys.expand(2, 1, nq, nk).numpy())
 
 
+def test_mask_translations_go_with_their_mask_tensor():
+    """A mask's translation (a dense modifier: on the GPU, a device copy of B Nq Nk bytes) is dropped when the model
+    frees the mask tensor, not held until seven newer masks push it out."""
+    import gc
+    nq = nk = 4
+    mask = torch.ones(2, 1, nq, nk, dtype=torch.bool).tril_()
+    mask[1, ..., 0] = False
+    before = len(st._MASK_SPECS.entries)
+    st._mask_spec(mask, nq, nk)
+    assert len(st._MASK_SPECS.entries) == before + 1
+    del mask
+    gc.collect()
+    assert len(st._MASK_SPECS.entries) == before
+
+
 def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatch):
     """The registered attention function takes what Gemma 2 / Mistral pass beside the mask: softcap becomes the
     soft-cap modifier (one object per value), sliding_window a causal window; a sink or head mask is refused."""

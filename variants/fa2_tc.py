@@ -352,8 +352,15 @@ def _device_copy(arr: np.ndarray, xp):
     """A device copy of a host array, cached by content (a loop over one modifier uploads once); with
     xp None the host array itself (the argument-packing tests run without a GPU). A buffer past
     BIG_BUFFER_BYTES (a dense mask: B Nq Nk bytes) is neither hashed per call nor held by the shared cache:
-    its copy lives as long as the (read-only) host array it was made from."""
+    its copy lives as long as the (read-only) host array it was made from. A device buffer (modifiers.DeviceBuffer's
+    array) is used in place, on its own GPU only."""
     if xp is None:
+        return arr
+    if not isinstance(arr, np.ndarray):
+        here = xp.cuda.Device().id
+        if arr.device.id != here:
+            raise ValueError(f"a modifier's buffer lives on GPU {arr.device.id} and the call runs on GPU {here}: "
+                             "make the modifier from arrays on the GPU it runs on")
         return arr
     if arr.nbytes > BIG_BUFFER_BYTES and not arr.flags.writeable:
         owner = arr if arr.base is None else arr.base            # a byte view of a bool buffer: its owner

@@ -28,8 +28,9 @@ _MAX_PER_MOD = 16
 def extent(mask_mod, B: int, Hq: int, block_mask=None) -> tuple[int, int]:
     """(Bm, Hm): the table's batch and head extents, 1 on an axis neither the predicate (its NumPy form's
     broadcast shape at element (0, 0)) nor the block mask's layout depends on, else B and Hq; as
-    masks.classify_tiles_mod's table."""
-    Bm, Hm = mask_mod.visible(B, Hq, [0], 1).shape[:2]
+    masks.classify_tiles_mod's table. Device buffers stand in as zeros of their shape (no host copy, no wait):
+    the broadcast shape of a NumPy expression depends on its operands' shapes, not their values."""
+    Bm, Hm = mask_mod.visible(B, Hq, [0], 1, stand_ins=True).shape[:2]
     Hl = 1 if block_mask is None else block_mask.layout.shape[0]
     return int(Bm), int(max(Hm, Hl))
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sandbox import numba_support as nb
-from sandbox.modifiers import MAX_BUFFERS
+from sandbox.modifiers import MAX_BUFFERS, host_buffers
 from sandbox.numba_support import cuda
 from sandbox.registry import Capabilities, Variant, philox_rounds_param, register
 
@@ -311,7 +311,7 @@ def _device_buffer(arr):
 
 def _buffer_slots(mod, dummy):
     """MAX_BUFFERS device arrays: the modifier's buffers in order, then the dummy (never read)."""
-    bufs = [] if mod is None else [_device_buffer(a) for a in mod.buffers.values()]
+    bufs = [] if mod is None else [_device_buffer(a) for a in host_buffers(mod.buffers).values()]
     return tuple(bufs) + (dummy,) * (MAX_BUFFERS - len(bufs))
 
 
