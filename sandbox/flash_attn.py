@@ -15,7 +15,8 @@ that take modifiers (fa2-tc, fa3, the Numba variants; `score_modifier` below): o
 softcap * tanh(s / softcap) first, then ALiBi, slope * j where flash-attn's kernels take the call as
 causal (an unbounded left window and right = 0: `_alibi_causal_form`) and -slope * |i + Nk - Nq - j|
 otherwise (the two forms differ by a per-row constant, which the softmax ignores but the lse keeps).
-Slopes given as a CUDA tensor are read to the host once per tensor and in-place version. A 16-bit
+Slopes given as a CUDA tensor stay on the GPU (copied there once per tensor and in-place version, on
+the caller's stream: no wait; modifiers.DeviceBuffer). A 16-bit
 head dim that is not a multiple of 8 (59, 111) is zero-padded to the next multiple and the output cut
 back, as flash-attn's own Python layer does (the tensor-core kernels take multiples of 8). What the kernels do not offer is
 refused with a ValueError naming the argument rather than ignored: return_attn_probs with dropout
@@ -109,13 +110,23 @@ _HOST_SLOPES = st.TensorDerived(64)      # slopes tensor -> its host copy (float
 
 
 def _host_slopes(t) -> np.ndarray:
-    """The host values of an ALiBi slopes tensor. flash-attn takes them on the GPU; reading them is a
-    device-to-host copy that waits for the stream, so a tensor seen before (same storage, shape and
-    in-place version) is read once, not on every call (models pass one fixed slopes buffer). An entry
+    """The host values of an ALiBi slopes tensor on the CPU (a CUDA one stays there: _device_slopes), read once
+    per tensor (same storage, shape and in-place version), not on every call. An entry
     counts only while the tensor it was read from is alive: once that tensor is freed, its address (and
     version 0) may come back with another tensor's values (seen in CI: a later test's slopes read as an
     earlier test's)."""
     return _HOST_SLOPES.get(t, lambda: t.detach().cpu().numpy().astype(np.float64))
+
+
+_DEVICE_SLOPES = st.TensorDerived(64)    # CUDA slopes tensor -> modifiers.DeviceBuffer (float32, (1 or B, Hq))
+
+
+def _device_slopes(t) -> "modifiers.DeviceBuffer":
+    """A CUDA slopes tensor as the kernels read it, on its GPU: a float32 copy made on the caller's stream once per
+    tensor and in-place version (models pass one fixed slopes buffer), with no wait and no host copy (the
+    oracle's NumPy form reads DeviceBuffer.host(), which waits, only when it runs)."""
+    return _DEVICE_SLOPES.get(t, lambda: modifiers.device_buffer(t.detach()[None] if t.dim() == 1 else t.detach(),
+                                                                  "alibi_slopes"))
 
 
 def _alibi_causal_form(causal, window_size, Nk: int) -> bool:
@@ -141,7 +152,11 @@ def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, cau
         return None
     if alibi_slopes is None:
         return modifiers.softcap(cap)
-    slopes = np.asarray(_host_slopes(alibi_slopes) if torch.is_tensor(alibi_slopes) else alibi_slopes, dtype=np.float64)
+    if torch.is_tensor(alibi_slopes) and alibi_slopes.is_cuda:
+        slopes = _device_slopes(alibi_slopes)
+    else:
+        slopes = np.asarray(_host_slopes(alibi_slopes) if torch.is_tensor(alibi_slopes) else alibi_slopes,
+                            dtype=np.float64)
     if slopes.ndim == 1:
         slopes = slopes[None]
     if slopes.ndim != 2 or slopes.shape[1] != Hq or slopes.shape[0] not in (1, B):

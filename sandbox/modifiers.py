@@ -169,6 +169,12 @@ def is_device_array(value) -> bool:
     return top == "cupy" or hasattr(value, "__cuda_array_interface__")
 
 
+def device_buffer(value, what: str = "buffer") -> DeviceBuffer:
+    """A DeviceBuffer of a device array, to capture once and hand to many modifiers (a buffers dict takes it as
+    it is): flash-attn's ALiBi slopes, read by one new ScoreMod per call (sandbox/flash_attn.py)."""
+    return _device_buffer(value, what, "value")
+
+
 def _device_buffer(value, owner, name) -> DeviceBuffer:
     """A DeviceBuffer copy of a device array, on the caller's stream (no wait, but for integers wider than
     32 bits, whose range is checked before they become int32)."""

@@ -58,6 +58,26 @@ def test_softcap_and_alibi_on_the_gpu(variant, dtype, causal, softcap, alibi):
         assert err < (3e-2 if dtype == torch.bfloat16 else 1e-2), f"d{name}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_device_alibi_slopes_are_read_on_the_gpu_without_a_wait(variant):
+    """Slopes written on a busy side stream: the call neither waits for them (they stay on the GPU, copied on that
+    stream: the stream is still busy when it returns) nor reads them early (the output matches the reference)."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    B, n, hq, d = 2, 160, 4, 64
+    q, k, v = (torch.randn(B, n, hq, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.rand(hq, device="cuda"), variant=variant)
+    torch.cuda.synchronize()                                 # the module is built: the call under test compiles nothing
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(3e8))
+        slopes = torch.linspace(0.05, 0.5, hq, device="cuda")                   # written behind the sleep
+        out = fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, variant=variant)
+        busy = not side.query()
+    torch.cuda.synchronize()
+    assert busy, "the call waited for the GPU (the slopes were read to the host)"
+    torch.testing.assert_close(out.float(), _reference(q, k, v, True, 0.0, slopes), rtol=5e-3, atol=5e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_varlen_takes_device_cu_seqlens_and_returns_lse(dtype):
     """As flash-attn's callers call it: cu_seqlens as CUDA int32 tensors, return_attn_probs=True ->
