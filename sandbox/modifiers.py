@@ -175,9 +175,10 @@ def device_buffer(value, what: str = "buffer") -> DeviceBuffer:
     return _device_buffer(value, what, "value")
 
 
-def _device_buffer(value, owner, name) -> DeviceBuffer:
+def _device_buffer(value, owner, name, copy: bool = True) -> DeviceBuffer:
     """A DeviceBuffer copy of a device array, on the caller's stream (no wait, but for integers wider than
-    32 bits, whose range is checked before they become int32)."""
+    32 bits, whose range is checked before they become int32). copy=False: the array itself where it is
+    C-contiguous in the kernels' type (it stays alive with the buffer; the caller keeps it unchanged)."""
     from . import arrays
     with arrays.caller_stream(value):
         view = arrays._to_device(value, f"{owner}: buffer {name!r}")
@@ -194,6 +195,8 @@ def _device_buffer(value, owner, name) -> DeviceBuffer:
             lo, hi = int(view.min()), int(view.max())              # waits for the device
             if lo < -2**31 or hi >= 2**31:
                 raise ValueError(f"{owner}: buffer {name!r} does not fit in int32, which the CUDA kernels take")
+        if not copy and view.flags.c_contiguous and view.dtype == target:
+            return DeviceBuffer(view)
         return DeviceBuffer(cp.array(view, dtype=target, order="C", copy=True))
 
 
@@ -692,19 +695,23 @@ def _dense_check(shape):
     return check
 
 
-def dense(allowed) -> MaskMod:
+def dense(allowed, copy: bool = True) -> MaskMod:
     """A dense boolean mask, (B or 1, H or 1, Nq, Nk), True where query i may see key j: what a model's 4-D
     attention mask (padding, packed documents) says, element by element. The tile classes come from it (empty
     tiles skipped, full ones unchecked), so a padding mask costs a byte load per score of its partial tiles
     only. The kernels read it as bytes (cuda_buffers: a view, no copy). A mask on the GPU (a torch CUDA tensor,
-    a CuPy array) stays there: it is copied on the caller's stream, with no wait (DeviceBuffer)."""
+    a CuPy array) stays there: it is copied on the caller's stream, with no wait (DeviceBuffer); with copy=False
+    it is read in place where it is C-contiguous (B Nq Nk bytes not doubled), and must not change while the
+    modifier lives (sandbox/torch.py's translation of a model's mask: a change makes a new tensor version and so
+    a new modifier)."""
     if is_device_array(allowed):
         if str(allowed.dtype) not in ("bool", "torch.bool"):
             raise TypeError(f"dense: the mask must be boolean, got dtype {allowed.dtype}")
         if len(allowed.shape) != 4:
             raise ValueError(f"dense: the mask must be 4-D (B or 1, H or 1, Nq, Nk), got shape {tuple(allowed.shape)}")
         shape = tuple(allowed.shape)
-        return MaskMod("dense", _dense_np, _dense_scalar, _DENSE_CUDA, buffers={"allowed": allowed},
+        buf = allowed if copy else _device_buffer(allowed, "dense", "allowed", copy=False)
+        return MaskMod("dense", _dense_np, _dense_scalar, _DENSE_CUDA, buffers={"allowed": buf},
                        check=_dense_check(shape), params={"shape": shape, "on": "device"})
     arr = np.asarray(allowed)
     if arr.dtype != np.bool_:

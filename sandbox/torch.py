@@ -348,8 +348,8 @@ def _mask_spec(mask, nq, nk, sliding_window=None):
     """A model's 4-D attention mask -> (causal, window, dense mask modifier or None). The answer is kept per mask
     tensor (a model hands every layer the same one).
     - A boolean mask (what transformers builds for this implementation: sdpa_mask, registered beside it) on the
-      GPU becomes modifiers.dense of it as it is, copied on the caller's stream: nothing waits for the device and
-      nothing crosses to the host, so a new mask per step costs no synchronisation (and a causal mask still runs
+      GPU becomes modifiers.dense of it as it is, read in place (or copied on the caller's stream where it is not
+      contiguous): nothing waits for the device and nothing crosses to the host, so a new mask per step costs no synchronisation (and a causal mask still runs
       causal work only: the GPU tile classifier finds the empty tiles). Telling a causal or sliding-window mask
       apart from a padding mask would need its values on the host.
     - An additive float mask is checked for a folded bias (a wait on the stream, once per mask), and then a
@@ -363,7 +363,9 @@ def _translate(mask, nq, nk, sliding_window):
     allowed = _visible_pairs(mask, nq, nk)
     full = allowed.expand(*allowed.shape[:2], nq, nk)
     if mask.dtype == torch.bool and mask.is_cuda:
-        return False, None, modifiers.dense(full)
+        # read in place where contiguous: `full` is a view, so the model's mask object can die (and its entry here
+        # with it, TensorDerived) while a saved backward still holds the modifier and, through it, the memory
+        return False, None, modifiers.dense(full, copy=False)
     try:
         return (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
     except ValueError:

@@ -310,22 +310,24 @@ def test_masks_built_on_the_gpu_never_cross_to_the_host(name):
     q, k, v, _ = _inputs(name, dtype, seed=7)
     B, _, N, _ = q.shape
     src = [_to_torch(x, dtype) for x in (q, k, v)]
-    warm = st._translate(torch.ones(B, 1, N, N, dtype=torch.bool, device="cuda").tril_(), N, N, None)[2]
-    st.attention(*src, variant=name, enable_gqa=True, mask_mod=warm)
-    st.attention(*src, variant=name, causal=True, enable_gqa=True,
-                 mask_mod=modifiers.document(torch.zeros(N, dtype=torch.int32, device="cuda")))
-    torch.cuda.synchronize()                                  # modules built: the calls under test compile nothing
+
+    def masks_and_calls(group):
+        ids = (torch.arange(N, device="cuda", dtype=torch.int32) // group)
+        first = torch.arange(B, device="cuda")[:, None] * 29                     # (no host tensor: its copy waits)
+        keep = torch.arange(N, device="cuda")[None, :] >= first                   # left padding, per batch row
+        pad = (keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool, device="cuda").tril())
+        doc = modifiers.document(ids)
+        spec = st._mask_spec(pad, N, N)
+        out_doc = st.attention(*src, variant=name, causal=True, enable_gqa=True, mask_mod=doc)
+        out_pad = st.attention(*src, variant=name, enable_gqa=True, mask_mod=spec[2])
+        return pad, doc, spec, out_doc, out_pad
+
+    masks_and_calls(41)            # every module (ours, torch's, CuPy's copy) loaded: a first load may wait
+    torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
-        ids = (torch.arange(N, device="cuda", dtype=torch.int32) // 37)             # written behind the sleep
-        first = torch.arange(B, device="cuda")[:, None] * 29                         # (no host tensor: its copy waits)
-        keep = torch.arange(N, device="cuda")[None, :] >= first                       # left padding, per batch row
-        pad = (keep[:, None, None, :] & torch.ones(N, N, dtype=torch.bool, device="cuda").tril())
-        doc = modifiers.document(ids)
-        causal, window, dense = st._mask_spec(pad, N, N)
-        out_doc = st.attention(*src, variant=name, causal=True, enable_gqa=True, mask_mod=doc)
-        out_pad = st.attention(*src, variant=name, enable_gqa=True, mask_mod=dense)
+        pad, doc, (causal, window, dense), out_doc, out_pad = masks_and_calls(37)    # written behind the sleep
         busy = not side.query()
     torch.cuda.synchronize()
     assert busy, "making a mask from GPU tensors, or the call, waited for the GPU (a synchronisation)"
@@ -354,3 +356,21 @@ def test_device_buffers_keep_their_copy_and_their_gpu():
         modifiers.document(big)
     with pytest.raises(TypeError, match="boolean"):
         modifiers.dense(torch.zeros(1, 1, 4, 4, device="cuda"))
+
+
+def test_a_models_mask_is_read_in_place_and_let_go_with_it():
+    """The transformers translation reads a contiguous boolean mask in place (no second B Nq Nk bytes), and drops
+    its entry when the model frees the mask tensor, although the modifier holds the memory (through a view)."""
+    import gc
+    import sandbox.torch as st
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool, device="cuda").tril_()
+    mask[1, ..., 0] = False
+    n0 = len(st._MASK_SPECS.entries)
+    dense = st._mask_spec(mask, 8, 8)[2]
+    assert dense.buffers["allowed"].array.data.ptr == mask.data_ptr() and len(st._MASK_SPECS.entries) == n0 + 1
+    want = mask.cpu().numpy()
+    del mask
+    gc.collect()
+    assert len(st._MASK_SPECS.entries) == n0
+    np.testing.assert_array_equal(dense.buffers["allowed"].host(), want)       # the memory lives on with it
+
