@@ -363,9 +363,12 @@ def _translate(mask, nq, nk, sliding_window):
     allowed = _visible_pairs(mask, nq, nk)
     full = allowed.expand(*allowed.shape[:2], nq, nk)
     if mask.dtype == torch.bool and mask.is_cuda:
-        # read in place where contiguous: `full` is a view, so the model's mask object can die (and its entry here
-        # with it, TensorDerived) while a saved backward still holds the modifier and, through it, the memory
-        return False, None, modifiers.dense(full, copy=False)
+        # read in place where contiguous, through a tensor that shares the storage but is no view of `mask` (a view
+        # keeps its base's Python object alive, and then the entry here would never go with it, TensorDerived): a
+        # saved backward that still holds the modifier holds the memory, not the model's mask object
+        held = torch.empty(0, dtype=torch.bool, device=mask.device).set_(
+            full.untyped_storage(), full.storage_offset(), full.shape, full.stride())
+        return False, None, modifiers.dense(held, copy=False)
     try:
         return (*_causal_from_allowed(allowed, nq, nk, sliding_window), None)
     except ValueError:
