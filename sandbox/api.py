@@ -79,17 +79,22 @@ def _backend_arrays(bound: BoundVariant, xs, names):
     return [impl.to_backend(x, name) for x, name in zip(xs, names)]
 
 
-def _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, offset):
-    """The fastpath.Plan of a torch call's signature, resolved and validated on first use; None
-    where an option is unhashable (the generic path then validates it)."""
+def _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, offset, score_mod=None,
+              mask_mod=None):
+    """The fastpath.Plan of a torch call's signature (and modifiers: fastpath.mods_key), resolved and validated on
+    first use; None where an option is unhashable (the generic path then validates it) or no plan may be kept."""
     try:
         key = fastpath.forward_key(q, k, v, variant, params, causal, scale, dropout_p, window)
-        plan = fastpath.lookup(key)
+        if score_mod is not None or mask_mod is not None:
+            key = fastpath.mods_key(key, score_mod, mask_mod, q.device)
+            if key is None:
+                return None
+        plan = fastpath.lookup(key, score_mod, mask_mod)
     except TypeError:
         return None
     if plan is None:
         bound = _resolve(variant, params, q)
-        problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, None)
+        problem = make_problem(q, k, v, causal, scale, dropout_p, seed, offset, window, None, score_mod, mask_mod)
         bound.check(problem, "forward")
         plan = fastpath.make_plan(key, bound, problem, q, k, v)
     return plan
@@ -98,9 +103,10 @@ def _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, 
 def forward(q, k, v, variant=None, causal=False, scale=None, dropout_p=0.0, seed=0, offset=0,
             window=None, block_mask=None, score_mod=None, mask_mod=None, **params) -> Result:
     """Result(out, lse, rng). score_mod / mask_mod: sandbox.modifiers.ScoreMod / MaskMod (issue 18),
-    for variants whose capabilities list them; the plan path does not take them."""
-    if block_mask is None and score_mod is None and mask_mod is None and fastpath.is_torch_cuda(q, k, v):
-        plan = _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, offset)
+    for variants whose capabilities list them (a torch call's plan path takes them too: fastpath.mods_key)."""
+    if block_mask is None and fastpath.is_torch_cuda(q, k, v):
+        plan = _plan_for(q, k, v, variant, params, causal, scale, dropout_p, window, seed, offset, score_mod,
+                         mask_mod)
         if plan is not None and plan.forward is not None:
             check_rng(seed, offset)
             out, lse = fastpath.run_forward(plan, q, k, v, seed, offset)
@@ -170,10 +176,9 @@ def backward(dout, res: Result | None = None, variant=None, *, q=None, k=None, v
                              "without it the dropout mask cannot be replayed")
         rng = (0, 0)
     seed, offset = _rng_pair(rng)
-    no_mods = opts["block_mask"] is None and opts["score_mod"] is None and opts["mask_mod"] is None
-    if no_mods and fastpath.is_torch_cuda(dout, q, k, v, out, lse):
+    if opts["block_mask"] is None and fastpath.is_torch_cuda(dout, q, k, v, out, lse):
         plan = _plan_for(q, k, v, variant, params, opts["causal"], opts["scale"], opts["dropout_p"],
-                         opts["window"], seed, offset)
+                         opts["window"], seed, offset, opts["score_mod"], opts["mask_mod"])
         if plan is not None and plan.forward is not None:
             problem = fastpath.problem_for(plan, seed, offset)
             _check_out_lse(out, lse, problem)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import weakref
 from collections import OrderedDict
 
 from . import arrays, stream_counters
@@ -40,14 +41,17 @@ def _torch_dtype(name: str):
 
 class Plan:
     """One forward problem resolved: the bound variant, its Problem, the forward LaunchPlan and the
-    backward LaunchPlans made so far (keyed by the backward's variant and dout's strides)."""
+    backward LaunchPlans made so far (keyed by the backward's variant and dout's strides). With score / mask
+    modifiers, `problem` is kept without them and `mods` holds them weakly (`full_problem` puts them back): a
+    plan in the cache must not keep a modifier, and the buffers it holds (a model's dense mask), alive."""
 
-    __slots__ = ("bound", "problem", "forward", "backward", "device", "strides")
+    __slots__ = ("bound", "problem", "forward", "backward", "device", "strides", "mods")
 
-    def __init__(self, bound, problem, forward, device, strides):
+    def __init__(self, bound, problem, forward, device, strides, mods=None):
         self.bound, self.problem, self.forward, self.device = bound, problem, forward, device
         self.strides = strides          # element strides of q, k, v, which the plan is keyed by
         self.backward = {}
+        self.mods = mods                # (weakref or None, weakref or None): score_mod, mask_mod; None without
 
 
 def variant_key(variant):
@@ -68,16 +72,37 @@ def is_torch_cuda(*xs) -> bool:
     return all(type(x).__module__.startswith("torch") and getattr(x, "is_cuda", False) for x in xs)
 
 
-def lookup(key):
+def mods_key(key, score_mod, mask_mod, device):
+    """A forward key extended by the modifiers' identities, or None where no plan may be kept. A mask modifier's
+    tile table is computed on the caller's stream and read there (variants/mask_tiles.py), so its plans are per
+    stream; while that stream is being captured into a CUDA graph none is made or used (the table a capture
+    launches is filled only when the graph runs)."""
+    stream = None
+    if mask_mod is not None:
+        s = _stream(device)
+        if stream_counters.capturing(s):
+            return None
+        stream = s.ptr
+    return key + (id(score_mod), id(mask_mod), stream)
+
+
+def lookup(key, score_mod=None, mask_mod=None):
     plan = _PLANS.get(key)
     if plan is not None:
+        if plan.mods is not None and not (_alive(plan.mods[0]) is score_mod and _alive(plan.mods[1]) is mask_mod):
+            return None                 # an id of a modifier since freed, reused (its finalizer runs soon)
         _PLANS.move_to_end(key)
     return plan
 
 
+def _alive(ref):
+    return None if ref is None else ref()
+
+
 def make_plan(key, bound, problem, q, k, v):
     """Resolve the forward once; a variant without `forward_plan` gets a plan without one (the caller
-    then runs the generic path with the resolved variant and problem)."""
+    then runs the generic path with the resolved variant and problem). A plan with modifiers goes when either
+    modifier does (weakref.finalize), so that its buffers go with them."""
     _check_unit_stride(q=q, k=k, v=v)
     make = getattr(bound.variant.impl, "forward_plan", None)
     strides = {"q": tuple(q.stride()), "k": tuple(k.stride()), "v": tuple(v.stride())}
@@ -85,10 +110,33 @@ def make_plan(key, bound, problem, q, k, v):
     if make is not None and problem.block_mask is None:
         with arrays.caller_stream(q):
             launch = make(problem, bound.config, strides)
-    plan = _PLANS[key] = Plan(bound, problem, launch, q.device, strides)
+    mods = None
+    sm, mm = problem.score_mod, problem.mask_mod
+    if sm is not None or mm is not None:
+        mods = tuple(None if m is None else weakref.ref(m) for m in (sm, mm))
+        problem = dataclasses.replace(problem, score_mod=None, mask_mod=None)
+    plan = Plan(bound, problem, launch, q.device, strides, mods)
+    _PLANS.pop(key, None)
+    _PLANS[key] = plan
+    for m in (sm, mm):
+        if m is not None:
+            weakref.finalize(m, _drop, key, plan)
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return plan
+
+
+def _drop(key, plan):
+    if _PLANS.get(key) is plan:
+        del _PLANS[key]
+
+
+def full_problem(plan):
+    """The plan's Problem with its modifiers (which the plan holds weakly; alive while the caller holds them)."""
+    p = plan.problem
+    if plan.mods is None:
+        return p
+    return dataclasses.replace(p, score_mod=_alive(plan.mods[0]), mask_mod=_alive(plan.mods[1]))
 
 
 def _check_unit_stride(**xs):
@@ -98,7 +146,7 @@ def _check_unit_stride(**xs):
 
 
 def problem_for(plan, seed, offset):
-    p = plan.problem
+    p = full_problem(plan)
     return p if (p.seed, p.offset) == (seed, offset) else dataclasses.replace(p, seed=seed, offset=offset)
 
 
@@ -139,13 +187,14 @@ def backward_launch(plan, bound, dout, out):
     if key in plan.backward:
         return plan.backward[key]
     _check_unit_stride(dout=dout, out=out)
-    bound.check(plan.problem, "backward")
+    problem = full_problem(plan)
+    bound.check(problem, "backward")
     make = getattr(bound.variant.impl, "backward_plan", None)
     launch = None
-    if make is not None and plan.problem.block_mask is None:
+    if make is not None and problem.block_mask is None:
         strides = {**plan.strides, "out": tuple(out.stride()), "dout": tuple(dout.stride())}
         with arrays.caller_stream(dout):
-            launch = make(plan.problem, bound.config, strides)
+            launch = make(problem, bound.config, strides)
     plan.backward[key] = launch
     return launch
 

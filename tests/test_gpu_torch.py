@@ -374,3 +374,64 @@ def test_a_models_mask_is_read_in_place_and_let_go_with_it():
     assert len(st._MASK_SPECS.entries) == n0
     np.testing.assert_array_equal(dense.buffers["allowed"].host(), want)       # the memory lives on with it
 
+
+
+@pytest.mark.parametrize("name", ["fa3"])
+def test_modifier_calls_take_a_plan_that_goes_with_them(name):
+    """A torch call with a score and a mask modifier is resolved once into a fastpath plan (sandbox/fastpath.py
+    mods_key: the generic path cost about 0.6 ms of host time per call), a repeated call reuses it with the same
+    result, and the plan holds neither modifier: when the caller drops them, the plan (and the buffers it holds)
+    goes too."""
+    import gc
+    import weakref
+    from sandbox import fastpath, modifiers
+    import sandbox.torch as st
+    dtype = "bfloat16"
+    q, k, v, _ = _inputs(name, dtype, seed=11)
+    src = [_to_torch(x, dtype) for x in (q, k, v)]
+    sm, mm = modifiers.softcap(20.0), modifiers.document(np.arange(q.shape[2]) // 37)
+    before = set(fastpath._PLANS)
+    out1 = st.attention(*src, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=mm)
+    new = [key for key in fastpath._PLANS if key not in before]
+    assert len(new) == 1
+    plan = fastpath._PLANS[new[0]]
+    assert plan.forward is not None and plan.mods is not None and plan.problem.mask_mod is None
+    out2 = st.attention(*src, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=mm)
+    assert [key for key in fastpath._PLANS if key not in before] == new
+    torch.cuda.synchronize()
+    assert torch.equal(out1, out2)
+    _check_forward(out2, q, k, v, dtype, causal=True, score_mod=sm, mask_mod=mm)
+    # the same call with another mask: its own plan, its own result
+    other = modifiers.document(np.arange(q.shape[2]) // 53)
+    out3 = st.attention(*src, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=other)
+    _check_forward(out3, q, k, v, dtype, causal=True, score_mod=sm, mask_mod=other)
+    gone = weakref.ref(mm)
+    del mm, plan
+    gc.collect()
+    assert gone() is None and new[0] not in fastpath._PLANS
+
+
+def test_a_mask_modifier_under_graph_capture_replays_right():
+    """A mask modifier inside a captured CUDA graph: no plan is made or used while capturing (its tile table is
+    filled only when the graph runs), and the replay on new inputs matches the oracle."""
+    from sandbox import modifiers
+    import sandbox.torch as st
+    name, dtype = "fa3", "float16"
+    q, k, v, _ = _inputs(name, dtype, seed=12)
+    mm = modifiers.document(np.arange(q.shape[2]) // 29)
+    static = [_to_torch(x, dtype) for x in (q, k, v)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            st.attention(*static, variant=name, causal=True, enable_gqa=True, mask_mod=mm)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = st.attention(*static, variant=name, causal=True, enable_gqa=True, mask_mod=mm)
+    q2, k2, v2, _ = _inputs(name, dtype, seed=13)
+    for s_, x in zip(static, (q2, k2, v2)):
+        s_.copy_(_to_torch(x, dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_forward(out, q2, k2, v2, dtype, causal=True, mask_mod=mm)
