@@ -376,17 +376,18 @@ def test_a_models_mask_is_read_in_place_and_let_go_with_it():
 
 
 
-@pytest.mark.parametrize("name", ["fa3"])
+@pytest.mark.parametrize("name", ["fa3", "fa2-tc"])
 def test_modifier_calls_take_a_plan_that_goes_with_them(name):
     """A torch call with a score and a mask modifier is resolved once into a fastpath plan (sandbox/fastpath.py
     mods_key: the generic path cost about 0.6 ms of host time per call), a repeated call reuses it with the same
-    result, and the plan holds neither modifier: when the caller drops them, the plan (and the buffers it holds)
-    goes too."""
+    result, its backward (fa3: wgmma2's plan) matches the generic path's (CuPy arrays take that), and the plan
+    holds neither modifier: when the caller drops them, the plan (and the buffers it holds) goes too."""
     import gc
     import weakref
+    import cupy as cp
     from sandbox import fastpath, modifiers
     import sandbox.torch as st
-    dtype = "bfloat16"
+    dtype = "float16"
     q, k, v, _ = _inputs(name, dtype, seed=11)
     src = [_to_torch(x, dtype) for x in (q, k, v)]
     sm, mm = modifiers.softcap(20.0), modifiers.document(np.arange(q.shape[2]) // 37)
@@ -401,12 +402,22 @@ def test_modifier_calls_take_a_plan_that_goes_with_them(name):
     torch.cuda.synchronize()
     assert torch.equal(out1, out2)
     _check_forward(out2, q, k, v, dtype, causal=True, score_mod=sm, mask_mod=mm)
+    # the backward through the plan path against the generic path on the same kernels
+    grad = [x.clone().requires_grad_() for x in src]
+    out = st.attention(*grad, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=mm)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    res = sandbox.forward(*(cp.from_dlpack(x) for x in src), variant=name, causal=True, score_mod=sm, mask_mod=mm)
+    generic = sandbox.backward(cp.from_dlpack(dout), res)
+    for nm, a, b in zip("qkv", (x.grad for x in grad), generic):
+        b = torch.from_dlpack(b).float()
+        assert float((a.float() - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-3, f"d{nm}"
     # the same call with another mask: its own plan, its own result
     other = modifiers.document(np.arange(q.shape[2]) // 53)
     out3 = st.attention(*src, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=other)
     _check_forward(out3, q, k, v, dtype, causal=True, score_mod=sm, mask_mod=other)
     gone = weakref.ref(mm)
-    del mm, plan
+    del mm, plan, res, out
     gc.collect()
     assert gone() is None and new[0] not in fastpath._PLANS
 

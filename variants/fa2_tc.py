@@ -681,19 +681,26 @@ class FA2TensorCore:
 
     def forward_plan(self, p, config, strides) -> LaunchPlan | None:
         """`strides`: element strides of q, k, v. None where the generic path must run (a negative
-        scale negates K into a copy first)."""
+        scale negates K into a copy first). With modifiers (launch_mods' launch): their module, buffers and tile
+        table resolved once (a mask modifier's table on the caller's stream, which keys the plan)."""
         import cupy as xp
-        if p.scale < 0 or p.score_mod is not None or p.mask_mod is not None:
+        if p.scale < 0:
             return None
         for nm in ("q", "k", "v"):
             _check_row_strides(strides[nm], nm, self.name)
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        unit, name = config.unit(p.dtype, D), config.forward_name(p.dtype, D, dropout)
-        tiles, tile_heads = tile_table(p, config.block_r, config.bc(D, dropout), xp)
+        mods = ModKernel.of(p)     # None without modifiers
+        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
+        if mods is None:
+            tiles, tile_heads = tile_table(p, config.block_r, config.bc(D, dropout), xp)
+            sl2, mod_rest = scale_log2(p.scale), ()
+        else:
+            tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D, dropout), xp)
+            sl2, mod_rest = forward_scale_log2(p), modifier_args(p, tile_b, xp, forward=True)
         sq, sk, sv = (tuple(i64(x) for x in strides[nm][:3]) for nm in ("q", "k", "v"))
         args = (Slot("q"), *sq, Slot("k"), *sk, Slot("v"), *sv, Slot("out"), Slot("lse"), tiles, tile_heads,
-                i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(scale_log2(p.scale)), *mask_args(p, xp),
-                *_dropout_slots(p))
+                i32(p.Hq), i32(p.group), i32(p.Nq), i32(p.Nk), i32(p.d), f32(sl2), *mask_args(p, xp),
+                *_dropout_slots(p), *mod_rest)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, (-(-p.Nq // config.block_r), p.B * p.Hq),
                               (32 * config.warps,), unit.dynamic_smem[name], args)
 

@@ -272,14 +272,22 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
 
 def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     """The pointer-level plan: fa3_bwd2_pre (D, padded lse, `dq_acc` zeroed), fa3_bwd2, fa3_bwd2_dq; dq written
-    in q's dtype (no cast after the run)."""
+    in q's dtype (no cast after the run). With modifiers as backward2 resolves them (module, rows, tile table with
+    a mask modifier's classes, their arguments), once: a mask modifier's table on the caller's stream, which keys
+    the plan (sandbox/fastpath.py mods_key)."""
     import cupy as xp
     for nm in ("q", "k", "v", "out", "dout"):
         _check_row_strides(strides[nm], nm, variant)
     D, dropout = d_pad(p.d), p.dropout_p > 0
     npad = padded_rows(p.Nq)
-    u, kname = unit2(p.dtype, D, tc.philox_rounds), name2(p.dtype, D, dropout, tc.philox_rounds)
-    tiles, tile_heads = tile_table(p, rows2(D, dropout), BC, xp)
+    need = backward_mods(p)
+    text = text_of(p, need)
+    rows = rows2(D, dropout, text)
+    mods = module_mods(p, need)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text), name2(p.dtype, D, dropout,
+                                                                                    tc.philox_rounds, rows)
+    tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
+    mod_rest = modifier_args(p, int(tile_b), xp) + factored_args(p, need) if mods is not None else ()
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
     shape = (p.B, p.Hq, p.Nq, p.d)
     if any(tma.usable_strides(shape, strides[nm]) is None for nm in ("q", "dout")):
@@ -292,14 +300,16 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
                       Slot("dq_acc"), i32(p.Hq), i32(p.Nq), i32(p.d), i32(D))),
         PackedLaunch(get_kernel(u, kname).kernel, (-(-p.Nk // BC), p.B * p.Hkv), (THREADS,), u.dynamic_smem[kname],
                      _args2(p, operands, Slot("dq_acc"), Slot("dk"), Slot("dv"), tiles, tile_heads, xp,
-                            _dropout_slots(p))),
+                            _dropout_slots(p)) + mod_rest),
         PackedLaunch(get_kernel(u, dq_name(p.dtype)).kernel, (-(-p.Nq // 64), p.B * p.Hq), (256,), 0,
                      (Slot("dq_acc"), Slot("dq"), i32(p.Nq), i32(p.d), i32(D), f32(p.scale)))]
+
+    dtype = p.dtype           # the closure keeps no Problem: a plan must not hold the modifiers (fastpath.Plan)
 
     def run(ptr, seed, offset, stream):
         _check_aligned(ptr, ("q", "k", "v", "out", "dout"), variant)
         ptr["seed"], ptr["offset"] = seed, offset
-        held = [tma.tensor_map(ptr[nm], p.dtype, shape, strides[nm], TMA_ROWS) for nm in ("q", "dout")]
+        held = [tma.tensor_map(ptr[nm], dtype, shape, strides[nm], TMA_ROWS) for nm in ("q", "dout")]
         ptr["map_q"], ptr["map_dout"] = (m.address for m in held)
         for kernel in kernels:
             kernel(ptr, stream)

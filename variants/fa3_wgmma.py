@@ -339,9 +339,9 @@ class FA3Wgmma(FA2TensorCore):
 
     def backward_plan(self, p, config, strides):
         self._refuse_wide_backward(p, config)
-        if has_mods(p):          # the generic path (backward(): wgmma2 or fa2-tc's, with the modifiers compiled in)
-            return None
         kernel = resolve_bwd_kernel(config.bwd_kernel, p)
+        if has_mods(p) and kernel != "wgmma2":  # the generic path (fa2-tc's backward, the modifiers compiled in)
+            return None
         if kernel in fa3_backward.KERNELS:
             return fa3_backward.dispatch_plan(kernel, self.name, p, config.bwd, strides)
         return super().backward_plan(p, config.bwd, strides)

@@ -306,10 +306,12 @@ class FA3WarpSpecialized(FA3Wgmma):
         kernel = PackedLaunch(get_kernel(unit, name).kernel, self.grid(p, config),
                               (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p), *mod_rest))
 
+        dtype = p.dtype       # the closure keeps no Problem: a plan must not hold the modifiers (fastpath.Plan)
+
         def run(ptr, seed, offset, stream):
             held = []
             for nm in ("q", "k", "v"):
-                m = tma.tensor_map(ptr[nm], p.dtype, shapes[nm], strides[nm], rows[nm])
+                m = tma.tensor_map(ptr[nm], dtype, shapes[nm], strides[nm], rows[nm])
                 ptr[f"map_{nm}"] = m.address
                 held.append(m)
             ptr["seed"], ptr["offset"] = seed, offset
