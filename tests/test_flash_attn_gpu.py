@@ -65,8 +65,8 @@ def test_device_alibi_slopes_are_read_on_the_gpu_without_a_wait(variant):
     g = torch.Generator(device="cuda").manual_seed(4)
     B, n, hq, d = 2, 160, 4, 64
     q, k, v = (torch.randn(B, n, hq, d, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
-    fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.rand(hq, device="cuda"), variant=variant)
-    torch.cuda.synchronize()                                 # the module is built: the call under test compiles nothing
+    fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=torch.linspace(0.1, 0.4, hq, device="cuda"), variant=variant)
+    torch.cuda.synchronize()             # every module (ours, torch's linspace) loaded: a first load may wait
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.cuda._sleep(int(3e8))

@@ -689,8 +689,9 @@ class FA2TensorCore:
         for nm in ("q", "k", "v"):
             _check_row_strides(strides[nm], nm, self.name)
         D, dropout = d_pad(p.d), p.dropout_p > 0
-        mods = ModKernel.of(p)     # None without modifiers
-        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
+        mods = ModKernel.of(p)     # None without modifiers (fa2-tc-naive's config, which takes none, inherits this)
+        unit = config.unit(p.dtype, D) if mods is None else config.unit(p.dtype, D, mods)
+        name = config.forward_name(p.dtype, D, dropout)
         if mods is None:
             tiles, tile_heads = tile_table(p, config.block_r, config.bc(D, dropout), xp)
             sl2, mod_rest = scale_log2(p.scale), ()
