@@ -446,3 +446,20 @@ def test_a_mask_modifier_under_graph_capture_replays_right():
     graph.replay()
     torch.cuda.synchronize()
     _check_forward(out, q2, k2, v2, dtype, causal=True, mask_mod=mm)
+
+
+def test_inspected_masks_run_as_the_kernels_options():
+    """register_transformers(inspect_masks=True): a boolean mask on the GPU is read once (a wait) and a plain causal or
+    sliding-window one runs as the kernels' options; uninspected (the default) it is the dense modifier, no wait."""
+    import sandbox.torch as st
+    n = 64
+    tril = torch.ones(2, 1, n, n, dtype=torch.bool, device="cuda").tril_()
+    window = tril & ~torch.ones(n, n, dtype=torch.bool, device="cuda").tril(-8)        # the last 8 keys, causal
+    assert st._mask_spec(tril, n, n, None, True) == (True, None, None)
+    assert st._mask_spec(window, n, n, 8, True) == (True, (7, 0), None)
+    causal, win, dense = st._mask_spec(tril, n, n)
+    assert (causal, win) == (False, None) and dense.name == "dense"
+    padded = tril.clone()
+    padded[1, ..., :3] = False
+    causal, win, dense = st._mask_spec(padded, n, n, None, True)
+    assert (causal, win) == (False, None) and dense.name == "dense"
