@@ -213,7 +213,7 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #ifdef FA_MODS
         // modifiers: the score modifier on every element (the mask's -inf after it), the row range checked
         // in every tile that crosses Nq or Nk (a buffer indexed by i or j must not be read past its end)
-        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls == TILE_BAND, mask, b, h,
+        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls, mask, b, h,
                    row0 + wrow, col0 + wcol, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0 + wcol, Nq, Nk, g, tq);

@@ -327,6 +327,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
 #ifdef FA_MODS
 #ifdef FA_MASK_MOD
             if (cls == TILE_BAND) return mask.visible(h, i, j);     // tiles.cuh: the predicate hides nothing here
+            if (cls == TILE_CAUSAL) return mask.visible(h, i, j) && j - i <= Nk - Nq;     // a dense causal mask
 #endif
             return mod_visible(mask, b, h, i, j, MOD_FN_ARGS);
 #else

@@ -105,7 +105,7 @@ fa3_wgmma_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long 
         const int cls = trow[t];
 #ifdef FA_MODS
         // modifiers (tc_mods.cuh): as fa2_tc.cu, on the same C layout
-        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls == TILE_BAND, mask, b, h,
+        mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls, mask, b, h,
                    row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
         if (cls != TILE_FULL || col0 + BC > Nk) mask_scores(s, cls, mask, h, row0 + wrow, col0, Nq, Nk, g, tq);

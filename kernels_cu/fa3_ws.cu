@@ -248,7 +248,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
             const int cls = walk.cls[t];
-            mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls == TILE_BAND, mask,
+            mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls, mask,
                        b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)

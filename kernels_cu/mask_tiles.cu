@@ -18,7 +18,8 @@
 //       by i - j outside the band). Columns past Nk count as visible for FULL and invisible for EMPTY, rows
 //       past Nq not at all: the host's rule (masks._tile_row_classes). A partial tile where mask_mod is true
 //       wherever the band and block layout show is TILE_BAND (tiles.cuh: the forwards test the band alone
-//       there). __syncthreads_or / _and reduce the block's flags.
+//       there); else one where it shows exactly j - i <= Nk - Nq of what they show is TILE_CAUSAL (the forwards
+//       and fa3_bwd2 test that compare instead). A warp reduction and a shared atomicOr reduce the block's flags.
 // The host side: variants/mask_tiles.py (launch, cache, the table's extent from the modifier's NumPy form).
 #include "common.cuh"
 #include "tiles.cuh"
@@ -38,19 +39,26 @@ mask_tiles(signed char* __restrict__ out, int tile_heads, int Nq, int Nk, int BR
     const Mask mask = MASK_FROM_PARAMS;
     const int r0 = tr * BR, c0 = tc * BC;
     const int rows = min(BR, Nq - r0), cols = min(BC, Nk - c0);
-    int some = 0, every = 1, mod_every = 1;
+    // flags, set where some element says so: SOME visible, NOT_EVERY visible, MOD_HIDES (the predicate hides
+    // something the band shows), NOT_CAUSAL (it differs from bottom-right causal where the band shows); one int
+    // reduced by warp then through shared memory (four __syncthreads_or / _and spilled 8 bytes under NVRTC 13)
+    enum { SOME = 1, NOT_EVERY = 2, MOD_HIDES = 4, NOT_CAUSAL = 8 };
+    __shared__ int block_flags;
+    if (threadIdx.x == 0) block_flags = 0;
+    int flags = 0;
     for (int e = threadIdx.x; e < rows * cols; e += THREADS) {
         const int i = r0 + e / cols, j = c0 + e % cols;
         const bool shown = mask.visible(h, i, j);
         const bool v = shown && mask_mod(b, h, i, j FA_MM_ARGS);
-        some |= v;
-        every &= v;
-        mod_every &= v == shown;                  // the predicate hides nothing the band shows
+        flags |= (v ? SOME : NOT_EVERY) | (v != shown ? MOD_HIDES : 0) |
+                 (v != (shown && j - i <= Nk - Nq) ? NOT_CAUSAL : 0);
     }
-    some = __syncthreads_or(some);
-    every = __syncthreads_and(every);
-    mod_every = __syncthreads_and(mod_every);
+    flags = __reduce_or_sync(0xffffffffu, flags);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0 && flags) atomicOr(&block_flags, flags);
+    __syncthreads();
     if (threadIdx.x == 0)
         out[((long long)z * n_row_tiles + tr) * n_col_tiles + tc] =
-            !some ? TILE_EMPTY : every ? TILE_FULL : mod_every ? TILE_BAND : TILE_PARTIAL;
+            !(block_flags & SOME) ? TILE_EMPTY : !(block_flags & NOT_EVERY) ? TILE_FULL
+            : !(block_flags & MOD_HIDES) ? TILE_BAND : !(block_flags & NOT_CAUSAL) ? TILE_CAUSAL : TILE_PARTIAL;
 }

@@ -177,13 +177,19 @@ __device__ __forceinline__ void seed_scores_t(float (&s)[MT][NT][4], float slope
 // element in range and visible). A full tile
 // runs a separate loop with no predicate at all (the branch on `full` is warp-uniform), as the kernel
 // without modifiers skips mask_scores; a partial tile evaluates the score modifier only where visible
-// (a buffer indexed by i or j must not be read past its end). `mod_all` (the tile's class is TILE_BAND: the mask
+// (a buffer indexed by i or j must not be read past its end). `cls` is the tile's class: TILE_BAND (the mask
 // modifier sees every element of it, the band or block mask not) tests the band alone: the causal diagonal tiles
-// of a document mask skip the predicate's two id loads per score. The two partial loops are separate
-// instantiations (mod_partial<MOD_ALL>), one per warp-uniform branch: a select per element between the two
-// predicates measured 16% slower at d = 64 with a predicate that is always true (H100, session 12).
-// A partial tile: -inf where invisible, the score modifier where visible (MOD_ALL: the band / block mask alone).
-template <bool MOD_ALL, int MT, int NT>
+// of a document mask skip the predicate's two id loads per score; TILE_CAUSAL (the modifier shows exactly
+// j - i <= Nk - Nq of what the band shows) tests the band and that compare: a causal mask given as a dense mask
+// skips its byte load per score. The partial loops are separate instantiations (mod_partial<MODE>), one per
+// warp-uniform branch: a select per element between the two predicates measured 16% slower at d = 64 with a
+// predicate that is always true (H100, session 12).
+// A partial tile: -inf where invisible, the score modifier where visible. MODE: PART_PRED the band / block mask
+// and the predicate, PART_BAND the band / block mask alone, PART_CAUSAL the band / block mask and j - i <= Nk - Nq.
+#define PART_PRED 0
+#define PART_BAND 1
+#define PART_CAUSAL 2
+template <int MODE, int MT, int NT>
 __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& mask, int b, int h, int row_base,
                                             int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
     const float fi0 = (float)(row_base + g), fj0 = (float)(col0 + 2 * tq);
@@ -195,8 +201,10 @@ __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& m
             for (int e = 0; e < 4; ++e) {
                 const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
                 const int i = row_base + g + di, j = col0 + 2 * tq + dj;
-                const bool vis = i < Nq && j < Nk && (MOD_ALL ? mask.visible(h, i, j)
-                                                              : mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
+                const bool vis = i < Nq && j < Nk &&
+                                 (MODE == PART_BAND ? mask.visible(h, i, j)
+                                  : MODE == PART_CAUSAL ? mask.visible(h, i, j) && j - i <= Nk - Nq
+                                                        : mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
 #ifdef FA_SCORE_MOD
                 if (vis) s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, i, j, fi0 + (float)di, fj0 + (float)dj
                                                  FA_SM_ARGS);
@@ -206,7 +214,7 @@ __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& m
 }
 
 template <bool SEEDED = false, int MT, int NT>
-__device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, bool mod_all, const Mask& mask, int b,
+__device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, int cls, const Mask& mask, int b,
                                            int h, int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
 #if defined(FA_DIST_BIAS)
     static_assert(SEEDED, "FA_DIST_BIAS: the kernel seeds its S accumulator (seed_scores) and says so (SEEDED)");
@@ -230,12 +238,16 @@ __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, boo
     if (full) return;
 #endif
 #ifdef FA_MASK_MOD
-    if (mod_all) {
-        mod_partial<true>(s, mask, b, h, row_base, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+    if (cls == TILE_BAND) {
+        mod_partial<PART_BAND>(s, mask, b, h, row_base, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+        return;
+    }
+    if (cls == TILE_CAUSAL) {
+        mod_partial<PART_CAUSAL>(s, mask, b, h, row_base, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
         return;
     }
 #endif
-    mod_partial<false>(s, mask, b, h, row_base, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+    mod_partial<PART_PRED>(s, mask, b, h, row_base, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 }
 
 

@@ -8,6 +8,10 @@
 #define TILE_BAND 3       // partial under the band / block mask, while a mask modifier sees all of it: the
                           // forwards with modifiers (tc_mods.cuh mod_scores) and fa3_bwd2 test the band only;
                           // every other reader takes it as PARTIAL
+#define TILE_CAUSAL 4     // partial, and the mask modifier shows exactly the bottom-right causal part of what the
+                          // band / block mask show (j - i <= Nk - Nq): a model's causal mask given as a dense mask
+                          // (sandbox/torch.py). The forwards with modifiers and fa3_bwd2 test the band and that
+                          // compare, not the predicate; every other reader takes it as PARTIAL
 
 // ---- device helpers
 

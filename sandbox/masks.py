@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TILE_EMPTY, TILE_FULL, TILE_PARTIAL, TILE_BAND = 0, 1, 2, 3     # kernels_cu/tiles.cuh
+TILE_EMPTY, TILE_FULL, TILE_PARTIAL, TILE_BAND, TILE_CAUSAL = 0, 1, 2, 3, 4     # kernels_cu/tiles.cuh
 UNBOUNDED = 1 << 30  # band offset meaning "no bound"; |j - i| < 2**30 for every supported N
 
 
@@ -168,9 +168,10 @@ def classify_tiles(Nq: int, Nk: int, block_r: int, block_c: int, band: Band,
 def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int, block_c: int,
                        band: Band = Band(), block_mask: BlockSparse | None = None) -> np.ndarray:
     """int8 [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes of band AND block_mask AND mask_mod (exact); a partial
-    tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, which
-    the forwards with modifiers and fa3_bwd2 check without the predicate and every other reader takes as
-    TILE_PARTIAL.
+    tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, and one
+    where it shows exactly the bottom-right causal part (j - i <= Nk - Nq) of what they show is TILE_CAUSAL (a causal
+    mask given as a dense mask): the forwards with modifiers and fa3_bwd2 check those without the predicate, and
+    every other reader takes them as TILE_PARTIAL.
 
     Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
     the head. Cached per (mask_mod, shape, tile size, band, block mask) by identity: a loop over one
@@ -204,7 +205,9 @@ def _classify_tiles_mod(mask_mod, B, Hq, Nq, Nk, block_r, block_c, band, block_m
         vis = mod & shown
         cls = _tile_row_classes(vis, nc, block_c)
         mod_all = _tile_row_classes(mod | ~shown, nc, block_c) == TILE_FULL    # partial by the band alone
-        rows.append(np.where((cls == TILE_PARTIAL) & mod_all, TILE_BAND, cls))
+        causal = _tile_row_classes((mod == (dij <= Nk - Nq)[None, None]) | ~shown, nc, block_c) == TILE_FULL
+        rows.append(np.where(cls != TILE_PARTIAL, cls, np.where(mod_all, TILE_BAND,
+                                                                np.where(causal, TILE_CAUSAL, TILE_PARTIAL))))
     Bm = max(x.shape[0] for x in rows)
     Hm = max(x.shape[1] for x in rows)
     out = np.stack([np.broadcast_to(x, (Bm, Hm, nc)) for x in rows], axis=2).astype(np.int8)

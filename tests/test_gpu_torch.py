@@ -463,3 +463,29 @@ def test_inspected_masks_run_as_the_kernels_options():
     padded[1, ..., :3] = False
     causal, win, dense = st._mask_spec(padded, n, n, None, True)
     assert (causal, win) == (False, None) and dense.name == "dense"
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa2-tc"])
+@pytest.mark.parametrize("nq", [160, 97])
+def test_a_causal_mask_given_densely_matches_causal(name, nq):
+    """A bottom-right causal mask given as a dense boolean mask (a model's mask, uninspected): its diagonal tiles are
+    TILE_CAUSAL, where the kernels test j - i <= Nk - Nq instead of the mask's bytes; output and gradients match
+    causal=True (forward and the backward: fa3's wgmma2, fa2-tc's)."""
+    from sandbox import modifiers
+    import sandbox.torch as st
+    g = torch.Generator(device="cuda").manual_seed(21)
+    nk = 160
+    q = torch.randn(2, 4, nq, 64, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(2, 2, nk, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    tril = (torch.arange(nk, device="cuda")[None, :] - torch.arange(nq, device="cuda")[:, None] <= nk - nq)
+    mm = modifiers.dense(tril[None, None])
+    go = torch.randn(2, 4, nq, 64, device="cuda", dtype=torch.float16, generator=g)
+    res = []
+    for kw in (dict(mask_mod=mm), dict(causal=True)):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = st.attention(*xs, variant=name, enable_gqa=True, **kw)
+        out.backward(go)
+        res.append((out, *(x.grad for x in xs)))
+    for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        err = float((a.float() - b.float()).abs().max())
+        assert err <= 2e-3 * max(1.0, float(b.float().abs().max())), f"{nm}: {err}"

@@ -11,7 +11,7 @@ from hypothesis import Phase, given, settings
 
 import sandbox
 from sandbox import fuzz, modifiers, oracle
-from sandbox.masks import (TILE_BAND, TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, BlockSparse, classify_tiles,
+from sandbox.masks import (TILE_BAND, TILE_CAUSAL, TILE_EMPTY, TILE_FULL, TILE_PARTIAL, Band, BlockSparse, classify_tiles,
                           classify_tiles_mod)
 from sandbox.modifiers import MaskMod, ScoreMod
 from sandbox.registry import all_variants
@@ -291,18 +291,36 @@ def test_tile_classes_of_a_mask_modifier_are_exact(mask_mod):
         mod = np.broadcast_to(mask_mod.visible(B, H, np.arange(N), N), (B, H, N, N))
         shown = np.broadcast_to(band.element_mask(N, N) & bm.element_mask(N, N)[None], (B, H, N, N))
         vis = mod & shown
+        causal_part = np.arange(N)[None, :] - np.arange(N)[:, None] <= 0
         for b, h, tr, tc in np.ndindex(B, H, *tiles.shape[2:]):
             rows, cols = slice(tr * br, (tr + 1) * br), slice(tc * bc, (tc + 1) * bc)
             t = vis[b, h, rows, cols]
-            # partial: TILE_BAND where the modifier hides nothing the band and block mask show (they cut the tile)
+            # partial: TILE_BAND where the modifier hides nothing the band and block mask show (they cut the tile),
+            # else TILE_CAUSAL where it shows exactly their bottom-right causal part
             band_alone = (mod | ~shown)[b, h, rows, cols].all()
-            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else TILE_BAND if band_alone else TILE_PARTIAL)
+            causal_alone = ((mod == causal_part) | ~shown)[b, h, rows, cols].all()
+            want = TILE_EMPTY if not t.any() else (TILE_FULL if t.all() else TILE_BAND if band_alone else
+                                                    TILE_CAUSAL if causal_alone else TILE_PARTIAL)
             assert tiles[min(b, tiles.shape[0] - 1), min(h, tiles.shape[1] - 1), tr, tc] == want
         assert classify_tiles_mod(mask_mod, B, H, N, N, br, bc, band, bm) is tiles          # cached
     tiles = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band(), bm)
     assert {TILE_EMPTY, TILE_FULL, TILE_PARTIAL} <= set(np.unique(tiles).tolist())
     causal = classify_tiles_mod(mask_mod, B, H, N, N, 2, 2, Band.from_options(N, N, True, None))
     assert TILE_BAND in causal           # diagonal tiles inside one document / the prefix / a dense run of Trues
+
+
+def test_a_causal_mask_given_densely_marks_its_diagonal_tiles_causal():
+    """A model's causal mask as a dense boolean mask, without causal=True: the diagonal tiles are TILE_CAUSAL (the
+    kernels test j - i <= Nk - Nq there instead of loading a mask byte per score), bottom-right aligned for Nq < Nk;
+    a padded row turns its tiles back to TILE_PARTIAL."""
+    Nq, Nk = 12, 20
+    tril = np.arange(Nk)[None, :] - np.arange(Nq)[:, None] <= Nk - Nq
+    dense = np.broadcast_to(tril, (2, 1, Nq, Nk)).copy()
+    dense[1, 0, :, :3] = False                                 # batch entry 1: three keys of padding
+    tiles = classify_tiles_mod(modifiers.dense(dense), 2, 1, Nq, Nk, 4, 4, Band())
+    plain = classify_tiles(Nq, Nk, 4, 4, Band.from_options(Nq, Nk, True, None))
+    np.testing.assert_array_equal(tiles[0, 0], np.where(plain == TILE_PARTIAL, TILE_CAUSAL, plain)[0])
+    assert tiles[1, 0, 0, 0] == TILE_PARTIAL and tiles[1, 0, 0, 2] == TILE_CAUSAL
 
 
 def test_an_all_visible_mask_modifier_keeps_the_band_classes():
