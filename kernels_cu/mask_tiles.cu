@@ -19,7 +19,7 @@
 //       past Nq not at all: the host's rule (masks._tile_row_classes). A partial tile where mask_mod is true
 //       wherever the band and block layout show is TILE_BAND (tiles.cuh: the forwards test the band alone
 //       there); else one where it shows exactly j - i <= Nk - Nq of what they show is TILE_CAUSAL (the forwards
-//       and fa3_bwd2 test that compare instead). A warp reduction and a shared atomicOr reduce the block's flags.
+//       test that compare instead). A warp reduction and a shared atomicOr reduce the block's flags.
 // The host side: variants/mask_tiles.py (launch, cache, the table's extent from the modifier's NumPy form).
 #include "common.cuh"
 #include "tiles.cuh"

@@ -10,8 +10,8 @@
                           // every other reader takes it as PARTIAL
 #define TILE_CAUSAL 4     // partial, and the mask modifier shows exactly the bottom-right causal part of what the
                           // band / block mask show (j - i <= Nk - Nq): a model's causal mask given as a dense mask
-                          // (sandbox/torch.py). The forwards with modifiers and fa3_bwd2 test the band and that
-                          // compare, not the predicate; every other reader takes it as PARTIAL
+                          // (sandbox/torch.py). The forwards with modifiers test the band and that compare, not
+                          // the predicate; every other reader (fa3_bwd2 included: tried, slower) takes it as PARTIAL
 
 // ---- device helpers
 

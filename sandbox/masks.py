@@ -170,8 +170,8 @@ def classify_tiles_mod(mask_mod, B: int, Hq: int, Nq: int, Nk: int, block_r: int
     """int8 [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] tile classes of band AND block_mask AND mask_mod (exact); a partial
     tile where mask_mod is true wherever the band and block mask show (partial by them alone) is TILE_BAND, and one
     where it shows exactly the bottom-right causal part (j - i <= Nk - Nq) of what they show is TILE_CAUSAL (a causal
-    mask given as a dense mask): the forwards with modifiers and fa3_bwd2 check those without the predicate, and
-    every other reader takes them as TILE_PARTIAL.
+    mask given as a dense mask): the forwards with modifiers check those without the predicate (fa3_bwd2
+    TILE_BAND only), and every other reader takes them as TILE_PARTIAL.
 
     Bm is 1 unless the mask depends on the batch entry, Hm 1 unless it (or the block mask) depends on
     the head. Cached per (mask_mod, shape, tile size, band, block mask) by identity: a loop over one

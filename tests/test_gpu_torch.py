@@ -470,7 +470,7 @@ def test_inspected_masks_run_as_the_kernels_options():
 def test_a_causal_mask_given_densely_matches_causal(name, nq):
     """A bottom-right causal mask given as a dense boolean mask (a model's mask, uninspected): its diagonal tiles are
     TILE_CAUSAL, where the kernels test j - i <= Nk - Nq instead of the mask's bytes; output and gradients match
-    causal=True (forward and the backward: fa3's wgmma2, fa2-tc's)."""
+    causal=True (forward and backward)."""
     from sandbox import modifiers
     import sandbox.torch as st
     g = torch.Generator(device="cuda").manual_seed(21)
