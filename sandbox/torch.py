@@ -263,8 +263,8 @@ def register_transformers(name: str = "sandbox", variant=None, inspect_masks: bo
     wait for the stream (`_mask_spec`; an additive float mask is checked once per mask tensor, which waits;
     eager calls only). `inspect_masks=True` reads each boolean mask tensor once (one wait per mask) to run a
     plain causal or sliding-window mask as the kernels' causal / window options, which are faster than the
-    dense mask's byte loads on the diagonal tiles (fa3, N = 4k causal: 0.68 against 1.02 ms forward at d = 64,
-    0.51 against 0.60 at d = 128; H100, session 13); padding masks are dense either way.
+    dense mask (fa3, N = 4k causal: 0.68 against 0.77 ms forward at d = 64, 0.51 against 0.53 at d = 128, 2.85
+    against 3.29 ms forward + backward at d = 64; H100, session 13); padding masks are dense either way.
     What a model passes beside the mask is honoured or refused, never dropped: `softcap` (Gemma 2) becomes
     the soft-cap score modifier (eager calls), `sliding_window` (Mistral, Gemma 2) a causal window of that
     many keys when the mask says the same (or when there is no mask and more keys than that), and the
