@@ -45,7 +45,7 @@ class Plan:
     modifiers, `problem` is kept without them and `mods` holds them weakly (`full_problem` puts them back): a
     plan in the cache must not keep a modifier, and the buffers it holds (a model's dense mask), alive."""
 
-    __slots__ = ("bound", "problem", "forward", "backward", "device", "strides", "mods")
+    __slots__ = ("bound", "problem", "forward", "backward", "device", "strides", "mods", "__weakref__")
 
     def __init__(self, bound, problem, forward, device, strides, mods=None):
         self.bound, self.problem, self.forward, self.device = bound, problem, forward, device
@@ -118,16 +118,18 @@ def make_plan(key, bound, problem, q, k, v):
     plan = Plan(bound, problem, launch, q.device, strides, mods)
     _PLANS.pop(key, None)
     _PLANS[key] = plan
-    for m in (sm, mm):
+    ref = weakref.ref(plan)       # the finalizers hold the plan weakly: a long-lived score modifier (a cached
+    for m in (sm, mm):            # soft-cap) must not keep every per-step mask's plan, and its buffers, alive
         if m is not None:
-            weakref.finalize(m, _drop, key, plan)
+            weakref.finalize(m, _drop, key, ref)
     if len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return plan
 
 
-def _drop(key, plan):
-    if _PLANS.get(key) is plan:
+def _drop(key, ref):
+    plan = ref()
+    if plan is not None and _PLANS.get(key) is plan:
         del _PLANS[key]
 
 
@@ -183,11 +185,17 @@ def run_forward(plan, q, k, v, seed, offset):
 def backward_launch(plan, bound, dout, out):
     """The backward LaunchPlan of `bound` for this forward plan and dout's strides, made once; None
     where the variant has none."""
-    key = (variant_key(bound), tuple(dout.stride()), tuple(out.stride()))
+    problem = full_problem(plan)
+    stream = None
+    if problem.mask_mod is not None:  # its tile table is made on, and read after, the caller's stream (mods_key)
+        s = _stream(dout.device)
+        if stream_counters.capturing(s):
+            return None               # the generic path: a captured table is filled only when the graph runs
+        stream = s.ptr
+    key = (variant_key(bound), tuple(dout.stride()), tuple(out.stride()), stream)
     if key in plan.backward:
         return plan.backward[key]
     _check_unit_stride(dout=dout, out=out)
-    problem = full_problem(plan)
     bound.check(problem, "backward")
     make = getattr(bound.variant.impl, "backward_plan", None)
     launch = None

@@ -133,7 +133,9 @@ class DeviceBuffer:
     float32), made on the caller's stream from the array the modifier was given (module docstring). `array`
     is what the CUDA C kernels read; `host()` is the NumPy copy the NumPy and scalar forms read (made once,
     on first use: it waits for the device); `stand_in()` a zero array of the same shape and type, for
-    questions about shapes alone (the tile table's extent), which need no copy."""
+    questions about shapes alone (the tile table's extent), which need no copy. The copy is ordered after the
+    maker's stream only: a call on another stream must order itself after it (torch's wait_stream), as for any
+    tensor handed across streams."""
 
     __slots__ = ("array", "shape", "dtype", "ndim", "size", "nbytes", "device", "_host")
 

@@ -359,11 +359,16 @@ def _mask_spec(mask, nq, nk, sliding_window=None, inspect=False):
     - An additive float mask is checked for a folded bias (a wait on the stream, once per mask), and then a
       plain causal or sliding-window mask becomes the kernels' options (_causal_from_mask), anything else the
       dense mask modifier of its visible pairs. A mask on the CPU takes the same route, with no wait."""
-    return _MASK_SPECS.get(mask, lambda: _translate(mask, nq, nk, sliding_window, inspect),
-                           (nq, nk, sliding_window, bool(inspect)))
+    in_place = not torch.is_grad_enabled() and not mask.is_inference()
+    return _MASK_SPECS.get(mask, lambda: _translate(mask, nq, nk, sliding_window, inspect, in_place),
+                           (nq, nk, sliding_window, bool(inspect), in_place))
 
 
-def _translate(mask, nq, nk, sliding_window, inspect=False):
+def _translate(mask, nq, nk, sliding_window, inspect=False, in_place=False):
+    """_mask_spec's answer. `in_place`: read a boolean GPU mask in place (no gradient is being recorded and the
+    tensor has a version counter, so a later in-place change makes a new entry and no backward reads the old
+    one); otherwise a device copy on the caller's stream, so that a change between a forward and its backward
+    (or to an inference tensor, which keeps no version) cannot reach a modifier already in use."""
     from . import modifiers
     allowed = _visible_pairs(mask, nq, nk)
     full = allowed.expand(*allowed.shape[:2], nq, nk)
@@ -374,12 +379,10 @@ def _translate(mask, nq, nk, sliding_window, inspect=False):
             pass
     if not full.is_cuda:
         return False, None, modifiers.dense(full.numpy())
-    # read in place where contiguous, through a tensor that shares the storage but is no view of `mask` (a view keeps
-    # its base's Python object alive, and then the entry here would never go with it, TensorDerived): a saved
-    # backward that still holds the modifier holds the memory, not the model's mask object
-    held = torch.empty(0, dtype=torch.bool, device=mask.device).set_(
-        full.untyped_storage(), full.storage_offset(), full.shape, full.stride())
-    return False, None, modifiers.dense(held, copy=False)
+    # through a tensor that shares the storage but is no view of `mask` (a view keeps its base's Python object alive,
+    # and then the entry here would never go with it, TensorDerived)
+    held = full.detach()
+    return False, None, modifiers.dense(held, copy=not in_place)
 
 
 _MASK_SPECS = TensorDerived(8)

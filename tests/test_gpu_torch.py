@@ -359,19 +359,22 @@ def test_device_buffers_keep_their_copy_and_their_gpu():
 
 
 def test_a_models_mask_is_read_in_place_and_let_go_with_it():
-    """The transformers translation reads a contiguous boolean mask in place (no second B Nq Nk bytes), and drops
-    its entry when the model frees the mask tensor, although the modifier holds the memory (through a view)."""
+    """Without a gradient being recorded, the transformers translation reads a contiguous boolean mask in place (no
+    second B Nq Nk bytes); with one it copies it (an in-place change before the backward must not reach it). The
+    entry goes when the model frees the mask tensor, although the modifier holds the memory."""
     import gc
     import sandbox.torch as st
     mask = torch.ones(2, 1, 8, 8, dtype=torch.bool, device="cuda").tril_()
     mask[1, ..., 0] = False
+    assert st._mask_spec(mask, 8, 8)[2].buffers["allowed"].array.data.ptr != mask.data_ptr()      # grad enabled
     n0 = len(st._MASK_SPECS.entries)
-    dense = st._mask_spec(mask, 8, 8)[2]
+    with torch.no_grad():
+        dense = st._mask_spec(mask, 8, 8)[2]
     assert dense.buffers["allowed"].array.data.ptr == mask.data_ptr() and len(st._MASK_SPECS.entries) == n0 + 1
     want = mask.cpu().numpy()
     del mask
     gc.collect()
-    assert len(st._MASK_SPECS.entries) == n0
+    assert len(st._MASK_SPECS.entries) == n0 - 1              # both entries (with and without a gradient) gone
     np.testing.assert_array_equal(dense.buffers["allowed"].host(), want)       # the memory lives on with it
 
 
@@ -416,10 +419,11 @@ def test_modifier_calls_take_a_plan_that_goes_with_them(name):
     other = modifiers.document(np.arange(q.shape[2]) // 53)
     out3 = st.attention(*src, variant=name, causal=True, enable_gqa=True, score_mod=sm, mask_mod=other)
     _check_forward(out3, q, k, v, dtype, causal=True, score_mod=sm, mask_mod=other)
-    gone = weakref.ref(mm)
+    gone, plan_gone = weakref.ref(mm), weakref.ref(plan)
     del mm, plan, res, out
     gc.collect()
-    assert gone() is None and new[0] not in fastpath._PLANS
+    # gone with the mask although the soft-cap (sm) lives on: not held by sm's finalizer either
+    assert gone() is None and new[0] not in fastpath._PLANS and plan_gone() is None
 
 
 def test_a_mask_modifier_under_graph_capture_replays_right():

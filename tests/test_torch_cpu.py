@@ -127,3 +127,28 @@ def test_transformers_registration_honours_softcap_and_sliding_window(monkeypatc
     pad[..., :2] = False                                           # left padding: a dense mask modifier
     fn(module, q, q, q, pad)
     assert calls[-1]["mask_mod"].name == "dense" and not calls[-1]["causal"]
+
+
+def test_a_plan_with_modifiers_goes_with_either_of_them():
+    """fastpath plans with modifiers: dropped when either modifier dies, and not kept alive by the other one's
+    finalizer (a cached soft-cap lives for the whole run while a new mask comes each step: its plan, with the
+    mask's buffers, must go with the mask)."""
+    import gc
+    import types
+    import weakref
+    from sandbox import fastpath, modifiers
+    from sandbox.problem import make_problem
+    q = torch.zeros(1, 2, 8, 16, dtype=torch.float16)
+    bound = types.SimpleNamespace(variant=types.SimpleNamespace(impl=object()))     # no forward_plan
+    sm = modifiers.softcap(30.0)
+    refs = []
+    for step in range(3):
+        mm = modifiers.document(np.arange(8) // (step + 2))
+        key = ("test-plan", step, id(sm), id(mm))
+        plan = fastpath.make_plan(key, bound, make_problem(q, q, q, score_mod=sm, mask_mod=mm), q, q, q)
+        assert plan.problem.mask_mod is None and fastpath.full_problem(plan).mask_mod is mm
+        assert fastpath.lookup(key, sm, mm) is plan and fastpath.lookup(key, sm, None) is None
+        refs.append((key, weakref.ref(plan)))
+        del plan, mm
+    gc.collect()
+    assert all(key not in fastpath._PLANS and ref() is None for key, ref in refs)
