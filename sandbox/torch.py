@@ -351,8 +351,8 @@ def _mask_spec(mask, nq, nk, sliding_window=None, inspect=False):
     """A model's 4-D attention mask -> (causal, window, dense mask modifier or None). The answer is kept per mask
     tensor (a model hands every layer the same one).
     - A boolean mask (what transformers builds for this implementation: sdpa_mask, registered beside it) on the
-      GPU becomes modifiers.dense of it as it is, read in place (or copied on the caller's stream where it is not
-      contiguous): nothing waits for the device and nothing crosses to the host, so a new mask per step costs no
+      GPU becomes modifiers.dense of it as it is, read in place without a gradient (else copied on the caller's
+      stream: _translate): nothing waits for the device and nothing crosses to the host, so a new mask per step costs no
       synchronisation (and a causal mask still runs causal work only: the GPU tile classifier finds the empty
       tiles). Telling a causal or sliding-window mask apart from a padding mask would need its values on the
       host: `inspect` (register_transformers' inspect_masks) reads them, as for a float mask below.
