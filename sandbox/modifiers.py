@@ -661,6 +661,8 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
     seq_ids: int (Nq,) or (B, Nq); kv_seq_ids: the keys' (default: seq_ids, for Nq == Nk). Ids on the GPU (a
     torch CUDA tensor, a CuPy array) stay there (DeviceBuffer; int32 ids need no wait, wider ones one)."""
     q_ids = _int_ids(seq_ids, "document: seq_ids")
+    if kv_seq_ids is None and is_device_array(q_ids):     # one device copy (and int64 range check) for both roles
+        q_ids = _device_buffer(q_ids, "document", "seq_ids")
     kv_ids = q_ids if kv_seq_ids is None else _int_ids(kv_seq_ids, "document: kv_seq_ids")
 
     def check(B, Hq, Nq, Nk):
@@ -672,7 +674,7 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
                    "q_ids[min(b, q_ids_shape0 - 1) * q_ids_shape1 + i] == "
                    "kv_ids[min(b, kv_ids_shape0 - 1) * kv_ids_shape1 + j]",
                    buffers={"q_ids": q_ids, "kv_ids": kv_ids}, check=check,
-                   params={"on": "device"} if is_device_array(q_ids) else
+                   params={"on": "device"} if not isinstance(q_ids, np.ndarray) else
                    {"documents": int(len(np.unique(q_ids)))})
 
 
