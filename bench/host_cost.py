@@ -115,13 +115,21 @@ def host_table(name, quick=False):
                 q, k, v, None, name, "", False, scale, 0.0, False, None, None, None, 0, 0)))))
         ref_train = host_us(lambda: sdpa(qg, kg, vg, False))
         train = host_us(lambda: st.attention(qg, kg, vg, variant=name))
+        # a training step's attention: forward and backward through autograd (the engine runs the backward
+        # on its device thread; the call returns once the backward's kernels are queued). Fewer calls per
+        # trial: each queues several kernels, and a full launch queue would make the host wait.
+        go = torch.randn_like(q)
+        ref_step = host_us(lambda: sdpa(qg, kg, vg, False).backward(go), calls=60)
+        step = (host_us(lambda: st.attention(qg, kg, vg, variant=name).backward(go), calls=60)
+                if bound_has_backward(name) else float("nan"))
         row = {"variant": name, "B": B, "N": N, "H": H, "d": d, "sdpa_flash_us": ref, "sdpa_flash_train_us": ref_train,
-               "sandbox_torch_train_us": train}
+               "sandbox_torch_train_us": train, "sdpa_flash_step_us": ref_step, "sandbox_torch_step_us": step}
         row.update({f"{entry} us": us for entry, us in entries.items()})
         rows.append(row)
         print(f"  host {name} B={B} N={N}: sdpa {ref:.1f} us, plain {entries[ENTRIES[0]]:.1f}, "
               f"torch eager {entries[ENTRIES[1]]:.1f}, op {entries[ENTRIES[2]]:.1f}; "
-              f"train fwd sdpa {ref_train:.1f}, sandbox {train:.1f}", file=sys.stderr, flush=True)
+              f"train fwd sdpa {ref_train:.1f}, sandbox {train:.1f}; fwd+bwd sdpa {ref_step:.1f}, sandbox {step:.1f}",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -179,16 +187,17 @@ def speed_table(name, quick=False):
 def markdown(host, speed) -> str:
     lines = ["## Host time per call from torch (GPU kept busy), fp16, H = 16, d = 64", "",
              "| variant | B | N | SDPA flash us | plain API us | x | sandbox.torch us | x | custom op us | x | "
-             "train fwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 13]
+             "train fwd: SDPA us | sandbox.torch us | x | fwd+bwd: SDPA us | sandbox.torch us | x |", "|" + "---|" * 16]
     for r in host:
         if "status" in r:
-            lines.append(f"| {r['variant']} | {r['status'][:80]} |" + " |" * 11)
+            lines.append(f"| {r['variant']} | {r['status'][:80]} |" + " |" * 14)
             continue
         s = r["sdpa_flash_us"]
         p, e, o = (r[f"{n} us"] for n in ENTRIES)
         lines.append(f"| {r.get('variant', '-')} | {r['B']} | {r['N']} | {s:.1f} | {p:.1f} | {p / s:.2f} | {e:.1f} | {e / s:.2f} | {o:.1f} | "
                      f"{o / s:.2f} | {r['sdpa_flash_train_us']:.1f} | {r['sandbox_torch_train_us']:.1f} | "
-                     f"{r['sandbox_torch_train_us'] / r['sdpa_flash_train_us']:.2f} |")
+                     f"{r['sandbox_torch_train_us'] / r['sdpa_flash_train_us']:.2f} | {r['sdpa_flash_step_us']:.1f} | "
+                     f"{r['sandbox_torch_step_us']:.1f} | {r['sandbox_torch_step_us'] / r['sdpa_flash_step_us']:.2f} |")
     lines += ["", "## Speed: kernel only and from torch (FA2 grid, fp16, B N = 16k, hidden 2048)", "",
               "| variant | d | causal | N | kernel TFLOP/s | x SDPA flash (kernel) | x SDPA cuDNN (kernel) | "
               "from torch TFLOP/s | x SDPA flash (torch) | x SDPA cuDNN (torch) | fwd+bwd from torch | "
@@ -211,6 +220,10 @@ def add_arguments(ap):
     ap.add_argument("--skip-speed", action="store_true", help="only the host-time table")
     ap.add_argument("--variants", default=None,
                     help="comma-separated registered names; default: the flagship CUDA variants (python -m bench plan host)")
+
+
+def bound_has_backward(name) -> bool:
+    return bool(sandbox_variant(name).variant.caps.backward)
 
 
 def sandbox_variant(name):

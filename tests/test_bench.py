@@ -232,6 +232,19 @@ def test_host_speed_table_reports_cudnn_ratios_for_fwd_and_fwd_bwd():
     assert host_cost.markdown([], [row]).splitlines()[-1].endswith("| 450 | 1.50 | - |")
 
 
+def test_host_table_reports_a_training_steps_host_time_beside_sdpas():
+    """bench host's host table: the forward + backward column (a training step's attention through autograd)
+    sits beside SDPA's with its ratio, as the forward's do; a failed variant's row keeps the column count."""
+    from bench import host_cost
+    row = {"variant": "fa3", "B": 1, "N": 128, "H": 16, "d": 64, "sdpa_flash_us": 20.0, "sdpa_flash_train_us": 40.0,
+           "sandbox_torch_train_us": 60.0, "sdpa_flash_step_us": 100.0, "sandbox_torch_step_us": 250.0}
+    row.update({f"{name} us": 30.0 for name in host_cost.ENTRIES})
+    lines = host_cost.markdown([row, {"variant": "x", "status": "FAIL"}], []).splitlines()
+    header, body, failed = lines[2], lines[4], lines[5]
+    assert header.count("|") == body.count("|") == failed.count("|") == lines[3].count("|")
+    assert body.endswith("| 40.0 | 60.0 | 1.50 | 100.0 | 250.0 | 2.50 |")
+
+
 def test_modifiers_plot_draws_bars_for_one_length_and_lines_for_several(tmp_path):
     pytest.importorskip("matplotlib")
     from bench import modifiers_bench as mb
