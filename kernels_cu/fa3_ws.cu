@@ -56,6 +56,11 @@
 // (the wgmma accumulator is mma.sync's C layout per warp: row row0 + wrow + g + 8 (e >= 2), column
 // col0 + 8 n + 2 tq + (e & 1)), fold_sinks before write_output; the host folds the mask modifier's tile
 // classes into the tile table ([mod_tile_b x tile_heads] rows), which producer and consumers both walk.
+// Tried and reverted (session 14): a soft-cap's row max taken on the raw scores (tanh never decreases, so a full
+// tile's max of cap tanh(s / cap) is that of its raw max), so that the max's FMNMX chain would run beside the tanh's
+// MUFU ops instead of after them; predicted a few percent off the soft-cap's forward. Measured (H100, N = 4k causal,
+// two alternating runs, outputs bit-identical): 10% SLOWER at d = 64 (1.07 against 0.96-0.97 ms) and at d = 128
+// (0.681 against 0.615-0.620 ms).
 // Envelope: D in {64, 128, 192, 256}, BC in {64, 80, 112, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; shared
 // memory and (D > 128) registers checked on the host (variants/fa3_ws.py). D = 256 runs FA3's tile: Br = 128
 // (NC = 2, 240 registers per consumer thread, O alone 128), Bc = 80, STAGES = 2: 64 KB of Q and 160 KB of

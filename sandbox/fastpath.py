@@ -166,7 +166,14 @@ def _run(launch, device, inputs: dict, seed, offset) -> dict:
     stream = _stream(device)
     ptr = {name: x.data_ptr() for name, x in inputs.items()}
     bufs = {}
+    if launch.scratch_bytes:          # the scratch buffers: one allocation (LaunchPlan.scratch)
+        scratch = bufs[" scratch"] = torch.empty(launch.scratch_bytes, dtype=torch.uint8, device=device)
+        base = scratch.data_ptr()
+        for name, at in launch.scratch.items():
+            ptr[name] = base + at
     for name, (shape, dt, zeroed) in launch.buffers.items():
+        if name in launch.scratch:
+            continue
         if zeroed == COUNTERS and not stream_counters.capturing(stream):
             ptr[name] = stream_counters.zeroed(sys.modules["cupy"], math.prod(shape), stream).data.ptr
             continue                  # kept per stream, not an output (a capture takes fresh zeros below)

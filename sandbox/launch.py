@@ -3,8 +3,9 @@ typed explicitly (CuPy would pass a bare Python int as long long)."""
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -79,6 +80,9 @@ def strides4(x) -> tuple:
 
 
 COUNTERS = "stream-counters"     # a LaunchPlan buffer kept per stream and left at zero by its launches
+RESULTS = ("out", "lse", "dq", "dk", "dv")   # LaunchPlan buffers handed to the caller: each its own allocation
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4}
+SCRATCH_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,22 @@ class LaunchPlan:
     run(pointers, seed, offset, stream): launch on `stream` (a CuPy stream object) with `pointers`
              mapping every input and buffer name to a device address.
     keep:    device arrays the launches read (tile tables), held for the plan's lifetime.
+    The uninitialised buffers that are not results (RESULTS: scratch such as D, lse_pad, dq_acc) share one
+    allocation per call (`scratch`: name -> byte offset, 256-byte aligned; `scratch_bytes` in all): one
+    trip through the caching allocator instead of one per buffer.
     """
 
     buffers: dict
     run: Callable
     keep: tuple = ()
+    scratch: dict = field(init=False, default=None)
+    scratch_bytes: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        offsets, end = {}, 0
+        for name, (shape, dtype, zeroed) in self.buffers.items():
+            if zeroed is False and name not in RESULTS:
+                offsets[name] = end
+                end += -(-math.prod(shape) * ITEMSIZE[dtype] // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        object.__setattr__(self, "scratch", offsets)
+        object.__setattr__(self, "scratch_bytes", end)

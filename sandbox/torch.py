@@ -53,12 +53,16 @@ def _window(has_window: bool, left: Optional[int], right: Optional[int]):
     return (left, right) if has_window else None
 
 
-def _forward(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right,
-             layout, block_q, block_k, score_mod=None, mask_mod=None):
+def _forward_result(q, k, v, seed, variant, params, causal, scale, dropout_p, has_window, left, right,
+                    layout, block_q, block_k, score_mod=None, mask_mod=None) -> api.Result:
     name, prm = _spec(variant, params)
-    res = api.forward(q, k, v, name, causal, scale, dropout_p, int(seed.item()) if seed is not None else 0, 0,
-                      _window(has_window, left, right), _block_mask(layout, block_q, block_k), score_mod, mask_mod,
-                      **prm)
+    return api.forward(q, k, v, name, causal, scale, dropout_p, int(seed.item()) if seed is not None else 0, 0,
+                       _window(has_window, left, right), _block_mask(layout, block_q, block_k), score_mod, mask_mod,
+                       **prm)
+
+
+def _forward(*args):
+    res = _forward_result(*args)
     return res.out, res.lse
 
 
@@ -133,17 +137,44 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, seed, options, mods):
-        out, lse = _forward(q, k, v, seed, *options, *mods)
+        res = _forward_result(q, k, v, seed, *options, *mods)
+        out, lse = res.out, res.lse
         ctx.save_for_backward(q, k, v, out, lse, seed)
         ctx.options, ctx.mods = options, mods
+        # the fastpath plan the forward ran on (None on the generic path) and its rng: the backward launches from
+        # it without resolving the call again (fast_backward)
+        ctx.plan, ctx.rng = (res.plan, res.rng) if not res.saved else (None, None)
         ctx.mark_non_differentiable(lse)
+        # lse takes no gradient: autograd would otherwise make a zero tensor for it (an allocation and a memset
+        # kernel per backward); dout is None where nothing flowed back through out
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None, None
         q, k, v, out, lse, seed = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, seed, *ctx.options, *ctx.mods)
+        grads = _fast_backward(ctx.plan, ctx.rng, dout, q, k, v, out, lse) if ctx.plan is not None else None
+        if grads is None:
+            grads = _backward(dout, q, k, v, out, lse, seed, *ctx.options, *ctx.mods)
+        dq, dk, dv = grads
         return dq, dk, dv, None, None, None
+
+
+def _fast_backward(plan, rng, dout, q, k, v, out, lse):
+    """The backward from the forward's fastpath plan (api.backward's plan route without resolving the call
+    again: the plan holds the bound variant and the checked problem), or None where the plan has no backward
+    launch for dout's layout (the generic path then runs)."""
+    from . import fastpath
+    if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
+        dout = dout.contiguous()
+    if dout.dtype != q.dtype or dout.device != q.device:
+        return None                   # the generic path says what is wrong
+    launch = fastpath.backward_launch(plan, plan.bound, dout, out)
+    if launch is None:
+        return None
+    return fastpath.run_backward(launch, fastpath.problem_for(plan, *rng), dout, q, k, v, out, lse)
 
 
 # ---- the public entry point
@@ -221,10 +252,13 @@ class _Varlen(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cu, ctx.options = (cu_q, cu_k), options
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)       # as _Attention: no zero gradient made for lse
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = varlen.backward(dout.contiguous(), q, k, v, out, lse, *ctx.cu, **ctx.options)
         return dq, dk, dv, None, None, None

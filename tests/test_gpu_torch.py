@@ -493,3 +493,52 @@ def test_a_causal_mask_given_densely_matches_causal(name, nq):
     for nm, a, b in zip(("out", "dq", "dk", "dv"), *res):
         err = float((a.float() - b.float()).abs().max())
         assert err <= 2e-3 * max(1.0, float(b.float().abs().max())), f"{nm}: {err}"
+
+
+@pytest.mark.parametrize("name", ["fa3", "fa2-tc"])
+def test_backward_launches_from_the_forwards_plan(name, monkeypatch):
+    """A training call's backward launches from the plan its forward ran on (sandbox.torch._fast_backward), not
+    through the generic route (api.backward, about 50 us more host time per call): with the generic route made
+    to fail, plain, soft-capped, dropout and expanded-gradient (out.sum()) calls still get the generic route's
+    gradients; a call the plans do not take (a block mask) still falls back to it."""
+    import sandbox.torch as st
+    from sandbox import modifiers
+    from sandbox.masks import BlockSparse
+    dtype = "float16"
+    q, k, v, dout = (_to_torch(x, dtype) for x in _inputs(name, dtype, seed=8))
+    gqa = q.shape[1] != k.shape[1]
+    cases = {"plain": dict(causal=True), "softcap": dict(causal=True, score_mod=modifiers.softcap(20.0)),
+             "dropout": dict(dropout_p=0.2)}
+    expected = {}
+    for case, kw in cases.items():            # the generic route's gradients (the fast route switched off)
+        with monkeypatch.context() as m:
+            m.setattr(st, "_fast_backward", lambda *a: None)
+            torch.manual_seed(11)
+            expected[case] = _grads(lambda a, b, c: st.attention(a, b, c, variant=name, enable_gqa=gqa, **kw),
+                                    q, k, v, dout)
+
+    def refuse(*a, **kw):
+        raise AssertionError("the generic backward ran")
+    with monkeypatch.context() as m:
+        m.setattr(st, "_backward", refuse)
+        for case, kw in cases.items():
+            torch.manual_seed(11)
+            got = _grads(lambda a, b, c: st.attention(a, b, c, variant=name, enable_gqa=gqa, **kw), q, k, v, dout)
+            assert torch.equal(got[0], expected[case][0]), case
+            for x, y in zip(got[1:], expected[case][1:]):       # dQ: atomic adds in any order
+                torch.testing.assert_close(x.float(), y.float(), rtol=1e-2, atol=1e-2)
+        qs = q.detach().clone().requires_grad_(True)
+        out, lse = st.attention(qs, k, v, variant=name, causal=True, enable_gqa=gqa, return_lse=True)
+        (out.sum() + lse.sum()).backward()         # an expanded dout; lse takes no gradient and makes none
+        ref = _grads(lambda a, b, c: _sdpa_ref(a, b, c, True, gqa), *(x.double() for x in (q, k, v, torch.ones_like(q))))
+        torch.testing.assert_close(qs.grad.double(), ref[1], rtol=2e-2, atol=2e-2)
+    layout = np.ones((-(-q.shape[2] // 32), -(-k.shape[2] // 32)), bool)
+    layout[0, 1:] = False
+    bm = BlockSparse(layout, (32, 32))
+    got = _grads(lambda a, b, c: st.attention(a, b, c, variant=name, block_mask=bm, enable_gqa=gqa), q, k, v, dout)
+    dense = torch.as_tensor(np.repeat(np.repeat(layout, 32, 0), 32, 1)[:q.shape[2], :k.shape[2]], device="cuda")
+    ref = _grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=dense,
+                                                                                   enable_gqa=gqa),
+                 *(x.double() for x in (q, k, v, dout)))
+    for x, y in zip(got, ref):
+        torch.testing.assert_close(x.double(), y, rtol=2e-2, atol=2e-2)

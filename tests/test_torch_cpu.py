@@ -152,3 +152,25 @@ def test_a_plan_with_modifiers_goes_with_either_of_them():
         del plan, mm
     gc.collect()
     assert all(key not in fastpath._PLANS and ref() is None for key, ref in refs)
+
+
+def test_a_launch_plans_scratch_buffers_share_one_allocation():
+    """LaunchPlan.scratch: the uninitialised buffers that are not results, at 256-byte aligned offsets that do not
+    overlap (fastpath._run allocates scratch_bytes once per call and hands out base + offset); results, zeroed
+    buffers and the stream's counters keep their own."""
+    from sandbox.launch import COUNTERS, LaunchPlan
+    buffers = {"D": ((2, 3, 5), "float32", False), "lse_pad": ((6, 128), "float32", False),
+               "dq_acc": ((2, 3, 7, 64), "float32", False), "tmp16": ((3,), "float16", False),
+               "dq": ((2, 3, 5, 64), "float16", False), "dk": ((2, 1, 5, 64), "float16", False),
+               "zeros": ((4,), "float32", True), "sched": ((1,), "uint32", COUNTERS)}
+    plan = LaunchPlan(buffers, run=lambda *a: None)
+    assert list(plan.scratch) == ["D", "lse_pad", "dq_acc", "tmp16"]
+    spans = []
+    for name, at in plan.scratch.items():
+        shape, dtype, _ = buffers[name]
+        size = int(np.prod(shape)) * (4 if dtype == "float32" else 2)
+        assert at % 256 == 0
+        spans.append((at, at + size))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= plan.scratch_bytes
+    assert LaunchPlan({"out": ((1,), "float16", False)}, run=None).scratch_bytes == 0
