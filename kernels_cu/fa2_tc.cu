@@ -152,6 +152,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
               b = bh / Hq, h = bh % Hq, hk = h / group;
 #endif
     const int row0 = tr * BR, nTc = (Nk + BC - 1) / BC, dch = d / 8;
+#ifdef FA_VARLEN
+    // a block table built for max_seqlen_q (fa2_varlen_seqs, below) holds tiles past a shorter sequence's rows
+    if (row0 >= Nq) return;
+#endif
     const int wrow = SPLIT_Q ? warp * RW : 0, wcol = SPLIT_Q ? 0 : warp * CW;    // this warp's rows and keys
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
@@ -254,3 +258,47 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
     write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
 #endif
 }
+
+#ifdef FA_VARLEN
+// The sequence table from offsets on the GPU (cu_seqlens as flash-attn's callers keep them; sandbox/varlen.py):
+// block s writes sequence s's row [VL_SEQ_INTS] of vl_seqs, so that the forward above needs no host copy of the
+// offsets (a copy would wait for the caller's stream). The host's block table then holds, for every sequence, the
+// tiles of max_seqlen_q rows (`covered` rows), the forward's blocks past a sequence's rows returning at once.
+// The offsets are not checked (that needs the host): they are clamped into [0, total] and made non-decreasing per
+// sequence, so that no block reads or writes outside the packed arrays, and the rows no block will write, those of a
+// sequence longer than `covered` (max_seqlen_q too small) and those outside [cu_q[0], cu_q[S]], are set to NaN in out
+// and lse: a wrong argument shows, as it would not in uninitialised memory. band_lo / band_hi: the band at Nq = Nk
+// (sandbox/masks.py Band.from_options(1, 1, ...)), moved by each sequence's Nk - Nq as the host's table does.
+__device__ __forceinline__ void set_nan(__half& x) { x = __ushort_as_half(0x7e00); }
+__device__ __forceinline__ void set_nan(__nv_bfloat16& x) { x = __ushort_as_bfloat16(0x7fc0); }
+
+template <typename I, typename T>
+__global__ void __launch_bounds__(128)
+fa2_varlen_seqs(const I* __restrict__ cu_q, const I* __restrict__ cu_k, int S, long long total_q, long long total_k,
+                int band_lo, int band_hi, long long covered, int Hq, int d, int* __restrict__ vl_seqs,
+                T* __restrict__ O, float* __restrict__ LSE) {
+    constexpr long long UNB = 1LL << 30;                       // sandbox/masks.py UNBOUNDED
+    const int s = blockIdx.x;
+    auto clamp = [](long long x, long long lo, long long hi) { return x < lo ? lo : (x > hi ? hi : x); };
+    const long long q0 = clamp((long long)cu_q[s], 0, total_q), q1 = clamp((long long)cu_q[s + 1], q0, total_q);
+    const long long k0 = clamp((long long)cu_k[s], 0, total_k), k1 = clamp((long long)cu_k[s + 1], k0, total_k);
+    if (threadIdx.x == 0) {
+        const long long shift = (k1 - k0) - (q1 - q0);
+        const long long lo = band_lo <= -UNB ? -UNB : clamp(band_lo + shift, -UNB, UNB);
+        const long long hi = band_hi >= UNB ? UNB : clamp(band_hi + shift, -UNB, UNB);
+        int* row = vl_seqs + (long long)VL_SEQ_INTS * s;
+        row[0] = (int)q0, row[1] = (int)(q1 - q0), row[2] = (int)k0, row[3] = (int)(k1 - k0);
+        row[4] = (int)lo, row[5] = (int)hi;
+    }
+    // rows [a, b) that no forward block writes: NaN in out (all heads) and lse
+    auto poison = [&](long long a, long long b) {
+        const long long width = (long long)Hq * d;
+        for (long long e = a * width + threadIdx.x; e < b * width; e += blockDim.x) set_nan(O[e]);
+        for (long long e = threadIdx.x; e < (b - a) * Hq; e += blockDim.x)
+            LSE[(e % Hq) * total_q + a + e / Hq] = __int_as_float(0x7fc00000);
+    };
+    if (q1 - q0 > covered) poison(q0 + covered, q1);
+    if (s == 0) poison(0, clamp((long long)cu_q[0], 0, total_q));
+    if (s == S - 1) poison(q1, total_q);
+}
+#endif

@@ -24,8 +24,9 @@ refused with a ValueError naming the argument rather than ignored: return_attn_p
 (out, softmax_lse, None), as flash-attn does), a paged block_table; softcap and alibi_slopes in the
 varlen and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
 dropout (sandbox/varlen.py says why). The varlen function takes cu_seqlens on the GPU, as flash-attn's
-callers pass them, by copying them to the host: that copy waits for the caller's stream (host
-offsets avoid it).
+callers pass them: the single-launch forward (fa2-tc, CUDA fp16 / bf16, d <= 128) reads them in place
+without waiting; the per-sequence path and the backward copy them to the host, which waits for the
+caller's stream.
 """
 from __future__ import annotations
 
@@ -236,9 +237,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, variant=None,
                            **params):
-    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens on the host or the GPU (copied to
-    the host); returns (total_q, Hq, d), or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None).
-    One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
+    """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens on the host or the GPU (read in
+    place by the single launch's forward, else copied to the host: sandbox/varlen.py); returns (total_q, Hq, d),
+    or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None). One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
     _refuse(softcap, alibi_slopes, "flash_attn_varlen_func")
     _probs_refusal(return_attn_probs, dropout_p)
     if block_table is not None:
@@ -249,24 +250,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if softmax_scale is None:
         softmax_scale = d ** -0.5
     q, k, v = _pad_head_dim(q, k, v)
-    cu_q = _host_offsets(cu_seqlens_q)
-    cu_k = cu_q if cu_seqlens_k is cu_seqlens_q else _host_offsets(cu_seqlens_k)
-    out, lse = st.varlen_attention(q, k, v, cu_q, cu_k,
+    out, lse = st.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                    int(max_seqlen_q), int(max_seqlen_k),
                                    variant=_variant(variant, deterministic, q.dtype), causal=causal,
                                    scale=softmax_scale, window=_window(window_size), return_lse=True, **params)
     out = out[..., :d]
     return (out, lse, None) if return_attn_probs else out
-
-
-def _host_offsets(cu):
-    """cu_seqlens as sandbox.varlen takes them (on the host). flash-attn's callers keep them on the GPU (its
-    kernels read them there); they are copied to the host here, a copy that waits for the work queued on
-    the caller's current stream (as the first read of CUDA ALiBi slopes does; a list or a CPU tensor avoids
-    it)."""
-    if torch.is_tensor(cu) and cu.device.type != "cpu":
-        return cu.to("cpu")
-    return cu
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

@@ -26,8 +26,15 @@ How, two paths:
   The host cost and the launches grow with the number of sequences. `single_launch=False` forces it.
 The backward is per sequence on both paths (the explicit-form backward of each sequence with its
 rows of out and lse: the single launch's out and lse are the same arrays, laid out the same).
-cu_seqlens must be on the host (lists, NumPy arrays, CPU tensors): the tables and the per-sequence
-launches need the lengths there, and reading a device array would synchronise the device.
+cu_seqlens on the host (lists, NumPy arrays, CPU tensors) are checked there (from 0 to the packed length,
+non-decreasing, max_seqlen at least the longest). On the GPU (int32 / int64, as flash-attn's callers keep
+them), with max_seqlen_q given, the single-launch forward reads them in place and never waits: a small kernel
+(fa2_varlen_seqs) makes the sequence table on the device, and the block table holds every sequence's Q tiles
+of max_seqlen_q rows, the blocks past a shorter sequence's rows returning at once. Their values cannot be
+checked without a wait, so the kernel clamps them into the packed arrays (no access outside them) and sets
+to NaN the rows no block writes (a sequence longer than max_seqlen_q; rows outside cu_seqlens_q[0] ..
+cu_seqlens_q[-1]): a broken contract shows in the output. Every other use of GPU offsets (the per-sequence
+path, the backward) copies them to the host, which waits for the caller's stream.
 
 Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
 index being the sequence index; a per-sequence call is batch 0 of its own problem, so it would
@@ -46,16 +53,28 @@ SEQ_INTS = 6                  # VL_SEQ_INTS of kernels_cu/fa2_tc.cu: q offset, N
 INT32_MAX = 2 ** 31 - 1
 
 
+def on_device(cu) -> bool:
+    """Whether offsets are a GPU array (a CUDA tensor or a CuPy array), as flash-attn's callers keep them."""
+    if isinstance(cu, (list, tuple, range, np.ndarray)):
+        return False
+    kind = arrays.kind_of(cu)
+    return kind == "cupy" or (kind == "torch" and cu.device.type != "cpu")
+
+
 def _lengths(cu, name: str, total: int) -> np.ndarray:
-    """Host int64 offsets, checked: 1-D, starts at 0, non-decreasing, ends at `total`."""
+    """Host int64 offsets, checked: 1-D, starts at 0, non-decreasing, ends at `total`. Offsets on the GPU are
+    copied to the host: a copy that waits for the work queued on the current stream (module docstring)."""
     if isinstance(cu, (list, tuple, range, np.ndarray)):
         c = np.asarray(cu)
     else:
         kind = arrays.kind_of(cu)
-        if kind != "torch" or cu.device.type != "cpu":
-            raise TypeError(f"{name} must be on the host (a list, a NumPy array or a CPU tensor): the per-sequence "
-                            "launches need the lengths there, and reading a device array would synchronise the device")
-        c = cu.numpy()
+        if kind == "torch":
+            c = cu.detach().cpu().numpy()
+        elif kind == "cupy":
+            c = cu.get()
+        else:
+            raise TypeError(f"{name} must be a list, a NumPy array, a tensor or a CuPy array of S + 1 offsets; got "
+                            f"{type(cu).__name__}")
     if c.ndim != 1 or c.size < 2 or not np.issubdtype(c.dtype, np.integer):
         raise TypeError(f"{name} must be a 1-D integer sequence of S + 1 >= 2 offsets; got dtype {c.dtype}, "
                         f"shape {c.shape}")
@@ -67,6 +86,35 @@ def _lengths(cu, name: str, total: int) -> np.ndarray:
 
 
 def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, score_mod=None, mask_mod=None):
+    _check_arrays(q, k, v, dropout_p, score_mod, mask_mod)
+    lq, lk = _lengths(cu_q, "cu_seqlens_q", q.shape[0]), _lengths(cu_k, "cu_seqlens_k", k.shape[0])
+    if lq.size != lk.size:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {lq.size - 1} and "
+                         f"{lk.size - 1}")
+    for got, given, nm in ((np.diff(lq).max(), max_q, "max_seqlen_q"), (np.diff(lk).max(), max_k, "max_seqlen_k")):
+        if given is not None and (not isinstance(given, (int, np.integer)) or given < got):
+            raise ValueError(f"{nm}={given!r} is below the longest sequence ({int(got)}) or not an int")
+    return lq, lk
+
+
+def _check_device_offsets(cu_q, cu_k, max_q, max_k):
+    """What the host can check of offsets on the GPU without reading them (their values stay unread: the
+    packed-sequence kernel clamps them, fa2_varlen_seqs): 1-D integer arrays of the same S + 1 >= 2 entries on q's
+    device, and max_seqlen_q / max_seqlen_k non-negative ints."""
+    from .precision import dtype_name
+    for cu, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")):
+        if len(cu.shape) != 1 or cu.shape[0] < 2 or dtype_name(cu) not in ("int32", "int64"):
+            raise TypeError(f"{nm} must be a 1-D int32 or int64 array of S + 1 >= 2 offsets; got {dtype_name(cu)}, "
+                            f"shape {tuple(cu.shape)}")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {cu_q.shape[0] - 1} "
+                         f"and {cu_k.shape[0] - 1}")
+    for given, nm in ((max_q, "max_seqlen_q"), (max_k, "max_seqlen_k")):
+        if given is not None and (isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 0):
+            raise ValueError(f"{nm}={given!r} must be a non-negative int")
+
+
+def _check_arrays(q, k, v, dropout_p, score_mod=None, mask_mod=None):
     for x, nm in ((q, "q"), (k, "k"), (v, "v")):
         if len(x.shape) != 3:
             raise ValueError(f"{nm} must be packed (total, heads, d); got shape {tuple(x.shape)}")
@@ -80,14 +128,6 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, score_mod=None, mask_mo
         if value is not None:
             raise ValueError(f"{name} is not supported for packed batches yet: a modifier would see positions "
                              "within each sequence, and a sequence without keys would miss its sinks")
-    lq, lk = _lengths(cu_q, "cu_seqlens_q", q.shape[0]), _lengths(cu_k, "cu_seqlens_k", k.shape[0])
-    if lq.size != lk.size:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {lq.size - 1} and "
-                         f"{lk.size - 1}")
-    for got, given, nm in ((np.diff(lq).max(), max_q, "max_seqlen_q"), (np.diff(lk).max(), max_k, "max_seqlen_k")):
-        if given is not None and (not isinstance(given, (int, np.integer)) or given < got):
-            raise ValueError(f"{nm}={given!r} is below the longest sequence ({int(got)}) or not an int")
-    return lq, lk
 
 
 def _view(x, a: int, b: int):
@@ -149,6 +189,16 @@ def _single_launch_variant(q, k, v, variant, params):
     return bound if getattr(bound.variant.impl, "varlen_forward", False) else None
 
 
+def _same_device(q, *cus) -> bool:
+    """Whether the offsets are arrays of q's kind on q's GPU (the device path reads them in place)."""
+    kind = arrays.kind_of(q)
+    if any(arrays.kind_of(c) != kind for c in cus):
+        return False
+    if kind == "torch":
+        return all(c.device == q.device for c in cus)
+    return all(c.device.id == q.device.id for c in cus)
+
+
 def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
     """The one-launch forward (module docstring) on the caller's stream: (out, lse) of q's kind."""
     from .decode import _upload_ints
@@ -163,6 +213,33 @@ def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
         qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
         table = _upload_ints(np.concatenate([seqs.ravel(), blocks.ravel()]), cp)   # one copy, pinned, async
         out, lse = impl.forward_varlen(qb, kb, vb, *split_tables(table, seqs.shape, blocks.shape), scale, cfg)
+        return arrays.like(out, kind), arrays.like(lse, kind)
+
+
+def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
+    """The one-launch forward with offsets on the GPU, unread on the host (no wait): the sequence table is made on
+    the device (fa2_varlen_seqs), the block table from S and max_seqlen_q alone: every sequence's Q tiles of
+    max_seqlen_q rows, the last tiles of all sequences first (causal's longest rows); the blocks past a sequence's
+    rows return at once. A sequence longer than max_seqlen_q (flash-attn's contract broken) gets NaN rows."""
+    from .decode import _upload_ints
+    from .masks import UNBOUNDED, Band
+    from .problem import _causal, _scale, _window
+    causal, scale, window = _causal(causal), _scale(scale, q.shape[2]), _window(window)
+    impl, cfg = bound.variant.impl, bound.config
+    block_r, _ = impl.varlen_tiles(cfg, q.shape[2])
+    S, T = cu_q.shape[0] - 1, -(-int(max_q) // block_r)
+    b = np.arange(S * T)
+    blocks = np.stack([b % S, T - 1 - b // S], axis=1)
+    rel = Band.from_options(1, 1, causal, window)
+    lo, hi = max(rel.lo, -UNBOUNDED), min(rel.hi, UNBOUNDED)
+    kind = arrays.kind_of(q)
+    with arrays.caller_stream(q):
+        qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
+        cq, ck = (arrays.to_device(x, nm) for x, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")))
+        import cupy
+        table = _upload_ints(blocks, cupy).reshape(-1, 2)
+        out, lse = impl.forward_varlen(qb, kb, vb, None, table, scale, cfg,
+                                       device_offsets=(cq, ck, lo, hi, T * block_r))
         return arrays.like(out, kind), arrays.like(lse, kind)
 
 
@@ -212,11 +289,19 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
     """(out (total_q, Hq, d) like q, lse (Hq, total_q) float32), every sequence through `variant`: by one
     launch where its packed-sequence kernel takes the call (module docstring), else one per sequence;
     single_launch=False: always per sequence (the reference rung)."""
-    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                    params.get("score_mod"), params.get("mask_mod"))
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))       # one scale for every sequence (the head dim's)
-    variant = default_variant(q, params) if variant is None else variant
+    variant_name = default_variant(q, params) if variant is None else variant
+    if single_launch and max_seqlen_q is not None and (on_device(cu_seqlens_q) or on_device(cu_seqlens_k)):
+        _check_arrays(q, k, v, dropout_p, params.get("score_mod"), params.get("mask_mod"))
+        if on_device(cu_seqlens_q) and on_device(cu_seqlens_k):
+            _check_device_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            bound = _single_launch_variant(q, k, v, variant_name, params)
+            if bound is not None and _same_device(q, cu_seqlens_q, cu_seqlens_k):
+                return _forward_device(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, bound, causal, scale, window)
+    lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                    params.get("score_mod"), params.get("mask_mod"))
+    variant = variant_name
     bound = _single_launch_variant(q, k, v, variant, params) if single_launch else None
     if bound is not None:
         return _forward_single(q, k, v, lq, lk, bound, causal, scale, window)

@@ -158,8 +158,10 @@ def built():
 
 @pytest.mark.parametrize("build", VARLEN_BUILDS, ids=lambda x: f"{x[0]}-{x[1]}")
 def test_varlen_builds_without_spills(built, build):
-    (r,) = built[TCConfig().varlen_unit(*build)]
-    assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
+    rows = built[TCConfig().varlen_unit(*build)]
+    assert len(rows) == 3                      # the forward and the device sequence table's two offset types
+    for r in rows:
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
 
 
 # ---- GPU: against the oracle, the per-sequence path, torch
@@ -252,3 +254,91 @@ def test_torch_tensors_on_a_busy_stream():
         got = flash_attn_varlen_func(q, k, v, torch.tensor(cu, dtype=torch.int32), cu, 700, 700, causal=True)
     side.synchronize()
     assert torch.equal(got, want)
+
+
+# ---- GPU: offsets on the device (flash-attn's callers'), read in place
+
+def _lens_max(cu):
+    return int(np.diff(cu).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_device_offsets_give_the_host_tables_results(dtype):
+    """cu_seqlens as CUDA int32 / int64 tensors and CuPy arrays, with max_seqlen_q: the sequence table made on the
+    device (fa2_varlen_seqs) and the block table of max_seqlen_q's tiles give the host tables' out and lse bit for
+    bit (each row is computed by one block with the same code; only the blocks' order differs), dead rows included."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+    _prebuild()
+    for n, (opts, d, hq, hkv) in enumerate(GPU_CASES):
+        q, k, v = _torch_packed(CU_Q, CU_K, hq, hkv, d, dtype, seed=n)
+        want = varlen.forward(q, k, v, CU_Q, CU_K, **opts)
+        for idx in (torch.int32, torch.int64):
+            cq, ck = (torch.tensor(c, dtype=idx, device="cuda") for c in (CU_Q, CU_K))
+            got = varlen.forward(q, k, v, cq, ck, _lens_max(CU_Q), _lens_max(CU_K), **opts)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (opts, idx)
+        qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
+        got = varlen.forward(qc, kc, vc, cp.asarray(CU_Q, dtype=cp.int32), cp.asarray(CU_K, dtype=cp.int32),
+                             _lens_max(CU_Q), _lens_max(CU_K), **opts)
+        assert all(cp.array_equal(cp.asarray(a), cp.asarray(b)) for a, b in zip(got, want)), opts
+
+
+@pytest.mark.gpu
+def test_device_offsets_written_on_a_busy_stream_are_read_without_a_wait():
+    """Offsets computed on a side stream behind ~tens of ms of work: the call returns while that stream is still
+    busy (nothing read them on the host), and the result is the quiet call's; the torch autograd route's forward
+    does the same, and its backward (which copies the offsets to the host) gives the host offsets' gradients."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    from sandbox.flash_attn import flash_attn_varlen_func
+    cu = [0, 300, 301, 1000, 1700]
+    q0, k0, v0 = _torch_packed(cu, cu, 8, 2, 128, "bfloat16", seed=9)
+    want = flash_attn_varlen_func(q0, k0, v0, cu, cu, 700, 700, causal=True)
+    base = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    flash_attn_varlen_func(q0, k0, v0, base, base, 700, 700, causal=True)      # every module loaded
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)
+        cu_dev = base * 1                                              # written after the sleep
+        got = flash_attn_varlen_func(q0, k0, v0, cu_dev, cu_dev, 700, 700, causal=True)
+        busy = not side.query()
+    side.synchronize()
+    assert busy, "the call waited for the stream"
+    assert torch.equal(got, want)
+    grads = []
+    for offsets in (cu, base):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        out = st.varlen_attention(q, k, v, offsets, offsets, 700, 700, causal=True)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), q.grad, k.grad, v.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_device_offsets_that_break_the_contract_show_as_nan_and_stay_in_bounds():
+    """Offsets the host cannot check without a wait: a max_seqlen_q below the longest sequence leaves that
+    sequence's rows past it NaN (out and lse) and every other row right; offsets ending short of the packed length
+    leave the tail NaN; offsets past the arrays or decreasing are clamped (the call completes, no illegal access)."""
+    torch = pytest.importorskip("torch")
+    q, k, v = _torch_packed(CU_Q, CU_K, 4, 2, 64, "float16", seed=4)
+    want_o, want_l = varlen.forward(q, k, v, CU_Q, CU_K, causal=True)
+    cq, ck = (torch.tensor(c, dtype=torch.int32, device="cuda") for c in (CU_Q, CU_K))
+    o, l_ = varlen.forward(q, k, v, cq, ck, 100, 300, causal=True)     # sequence 3 has 134 rows, 4 has 160
+    rows = torch.zeros(CU_Q[-1], dtype=torch.bool, device="cuda")
+    br = get_variant("fa2-tc").variant.impl.varlen_tiles(TCConfig(), 64)[0]
+    covered = -(-100 // br) * br
+    for s in range(len(CU_Q) - 1):
+        rows[CU_Q[s] + covered:CU_Q[s + 1]] = True
+    assert rows.any()
+    assert torch.isnan(o[rows]).all() and torch.isnan(l_[:, rows]).all()
+    assert torch.equal(o[~rows], want_o[~rows]) and torch.equal(l_[:, ~rows], want_l[:, ~rows])
+    short = torch.tensor(CU_Q[:-1] + [CU_Q[-2]], dtype=torch.int32, device="cuda")   # the last row left out
+    o, l_ = varlen.forward(q, k, v, short, ck, 300, 300, causal=True)
+    assert torch.isnan(o[-1]).all() and torch.isnan(l_[:, -1]).all() and not torch.isnan(o[:-1]).any()
+    for bad in ([0, 10**6, 5, 2**31 - 1, 7, -3, 301], [0, 301, 0, 301, 0, 301, 0]):
+        o, l_ = varlen.forward(q, k, v, torch.tensor(bad, dtype=torch.int32, device="cuda"), ck, 400, 400)
+        torch.cuda.synchronize()                      # an illegal access would surface here

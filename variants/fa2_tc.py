@@ -294,7 +294,8 @@ class TCConfig:
         """The packed-sequence forward (sandbox/varlen.py): the forward kernel compiled with -DFA_VARLEN,
         no dropout; a module of its own, so the units above stay the ones without the switch."""
         name = self.forward_name(dtype, D, False)
-        return CompileUnit("fa2_tc.cu", (name,), cuda_options() + (self.VARLEN_OPTION,), {name: self.forward_smem(D)},
+        names = (name, *(varlen_seqs_name(idx, dtype) for idx in VARLEN_OFFSET_TYPES))
+        return CompileUnit("fa2_tc.cu", names, cuda_options() + (self.VARLEN_OPTION,), {name: self.forward_smem(D)},
                            label=f"fa2-tc-varlen[{dtype}, D={D}]")
 
     # split-K: every warp holds Br x D accumulators; past 128 floats per lane the kernel spills
@@ -429,6 +430,13 @@ def _buffer_args(mod, xp) -> tuple:
 # ---- launch
 
 VL_SEQ_INTS = 6    # kernels_cu/fa2_tc.cu VL_SEQ_INTS (sandbox/varlen.py SEQ_INTS)
+
+
+VARLEN_OFFSET_TYPES = {"int32": "int", "int64": "long long"}     # cu_seqlens dtypes fa2_varlen_seqs reads
+
+
+def varlen_seqs_name(offsets: str, dtype: str) -> str:
+    return f"fa2_varlen_seqs<{VARLEN_OFFSET_TYPES[offsets]}, {CTYPE[dtype]}>"
 
 
 def varlen_args(q, k, v, out, lse, seqs, blocks, scale: float, no_layout) -> tuple:
@@ -594,18 +602,26 @@ class FA2TensorCore:
             raise ValueError(f"variant {self.name!r} with {config}: " + "; ".join(errs))
         return config.block_r, config.bc(d_pad(d))
 
-    def forward_varlen(self, q, k, v, seqs, blocks, scale: float, config):
+    def forward_varlen(self, q, k, v, seqs, blocks, scale: float, config, device_offsets=None):
         """The packed-sequence forward (kernels_cu/fa2_tc.cu, FA_VARLEN) on CuPy arrays, on CuPy's current
         stream: q (total_q, Hq, d), k and v (total_k, Hkv, d), any strides with unit stride along d;
         seqs, blocks the device int32 tables of sandbox.varlen.tables. Returns (out (total_q, Hq, d) contiguous,
         lse (Hq, total_q) float32). Every row of out and lse is written (a sequence without queries
-        has none), so both start uninitialised."""
-        if blocks.ndim != 2 or blocks.shape[1] != 2 or seqs.ndim != 2 or seqs.shape[1] != VL_SEQ_INTS:
+        has none), so both start uninitialised.
+        device_offsets=(cu_q, cu_k, band_lo, band_hi, covered): the offsets on the device (int32 or int64 CuPy
+        arrays, S + 1 each), `seqs` None: the sequence table is made on the device first (fa2_varlen_seqs, no
+        host copy of the offsets); `blocks` must then hold every tile of `covered` rows for every sequence."""
+        seqs_shape = (len(device_offsets[0]) - 1, VL_SEQ_INTS) if device_offsets is not None else tuple(seqs.shape)
+        if blocks.ndim != 2 or blocks.shape[1] != 2 or len(seqs_shape) != 2 or seqs_shape[1] != VL_SEQ_INTS:
             # grid.x is the number of (sequence, Q tile) rows: a flat block table would launch 2x the blocks,
             # whose second half reads its entries past the table's end (wild sequence / tile indices)
             raise ValueError(f"forward_varlen: tables of shapes [S, {VL_SEQ_INTS}] and [blocks, 2] expected, "
-                             f"got {tuple(seqs.shape)} and {tuple(blocks.shape)}")
+                             f"got {seqs_shape} and {tuple(blocks.shape)}")
         import cupy as xp
+        if device_offsets is not None:
+            seqs, out, lse = self._device_seqs(q, k, *device_offsets, config)
+        else:
+            out, lse = _varlen_outputs(q, xp)
         total_q, Hq, d = q.shape
         views = [x.transpose(1, 0, 2)[None] for x in (q, k, v)]       # [1, H, total, d], zero-copy
         for x, nm in zip(views, ("q", "k", "v")):
@@ -615,8 +631,6 @@ class FA2TensorCore:
         D, dtype = d_pad(d), dtype_name(q)
         unit = config.varlen_unit(dtype, D)
         name = config.forward_name(dtype, D, False)
-        out = xp.empty((total_q, Hq, d), dtype=q.dtype)
-        lse = xp.empty((Hq, total_q), dtype=xp.float32)
         n = blocks.shape[0]
         if n == 0:
             return out, lse
@@ -624,6 +638,30 @@ class FA2TensorCore:
         launch(unit, name, (n, Hq), (32 * config.warps,), varlen_args(*views, out, lse, seqs, blocks, scale, no_layout),
                shared_mem=unit.dynamic_smem[name])
         return out, lse
+
+    def _device_seqs(self, q, k, cu_q, cu_k, band_lo: int, band_hi: int, covered: int, config):
+        """(sequence table [S, VL_SEQ_INTS], out, lse): the table made on the device from device offsets
+        (fa2_varlen_seqs) on CuPy's current stream, and the forward's outputs, which it sets to NaN where no
+        forward block writes."""
+        import cupy as xp
+        offsets = dtype_name(cu_q)
+        if offsets not in VARLEN_OFFSET_TYPES or dtype_name(cu_k) != offsets:
+            raise TypeError(f"cu_seqlens_q / cu_seqlens_k on the GPU must both be int32 or int64; got {offsets} and "
+                            f"{dtype_name(cu_k)}")
+        S = cu_q.shape[0] - 1
+        dtype, (total_q, Hq, d) = dtype_name(q), q.shape
+        unit = config.varlen_unit(dtype, d_pad(d))
+        out, lse = _varlen_outputs(q, xp)
+        seqs = xp.empty((S, VL_SEQ_INTS), dtype=xp.int32)
+        launch(unit, varlen_seqs_name(offsets, dtype), (S,), (128,),
+               (cu_q, cu_k, i32(S), i64(total_q), i64(k.shape[0]), i32(band_lo), i32(band_hi), i64(covered), i32(Hq),
+                i32(d), seqs, out, lse))
+        return seqs, out, lse
+
+
+def _varlen_outputs(q, xp):
+    total_q, Hq, d = q.shape
+    return xp.empty((total_q, Hq, d), dtype=q.dtype), xp.empty((Hq, total_q), dtype=xp.float32)
 
     def forward(self, p, q, k, v, config):
         if p.score_mod is not None or p.mask_mod is not None:
