@@ -278,6 +278,8 @@ def test_device_offsets_give_the_host_tables_results(dtype):
             cq, ck = (torch.tensor(c, dtype=idx, device="cuda") for c in (CU_Q, CU_K))
             got = varlen.forward(q, k, v, cq, ck, _lens_max(CU_Q), _lens_max(CU_K), **opts)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), (opts, idx)
+        if dtype != "float16":
+            continue                  # CuPy holds no bfloat16 arithmetic type: the torch rows cover it
         qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
         got = varlen.forward(qc, kc, vc, cp.asarray(CU_Q, dtype=cp.int32), cp.asarray(CU_K, dtype=cp.int32),
                              _lens_max(CU_Q), _lens_max(CU_K), **opts)

@@ -439,6 +439,12 @@ def varlen_seqs_name(offsets: str, dtype: str) -> str:
     return f"fa2_varlen_seqs<{VARLEN_OFFSET_TYPES[offsets]}, {CTYPE[dtype]}>"
 
 
+def _varlen_outputs(q, xp):
+    """out (total_q, Hq, d) and lse (Hq, total_q) of the packed-sequence forward, uninitialised."""
+    total_q, Hq, d = q.shape
+    return xp.empty((total_q, Hq, d), dtype=q.dtype), xp.empty((Hq, total_q), dtype=xp.float32)
+
+
 def varlen_args(q, k, v, out, lse, seqs, blocks, scale: float, no_layout) -> tuple:
     """The packed-sequence kernel's arguments (kernels_cu/fa2_tc.cu with FA_VARLEN): q, k, v as [1, H,
     total, d] views, out, lse, the tile table slot (a dummy: the band classifies the tiles), Hq, the
@@ -657,11 +663,6 @@ class FA2TensorCore:
                (cu_q, cu_k, i32(S), i64(total_q), i64(k.shape[0]), i32(band_lo), i32(band_hi), i64(covered), i32(Hq),
                 i32(d), seqs, out, lse))
         return seqs, out, lse
-
-
-def _varlen_outputs(q, xp):
-    total_q, Hq, d = q.shape
-    return xp.empty((total_q, Hq, d), dtype=q.dtype), xp.empty((Hq, total_q), dtype=xp.float32)
 
     def forward(self, p, q, k, v, config):
         if p.score_mod is not None or p.mask_mod is not None:
