@@ -302,8 +302,10 @@ def test_device_offsets_written_on_a_busy_stream_are_read_without_a_wait():
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        torch.cuda._sleep(100_000_000)
-        cu_dev = base * 1                                              # written after the sleep
+        cu_dev = torch.zeros_like(base)     # allocated before the sleep: a new block of the side stream's pool waits
+        flash_attn_varlen_func(q0, k0, v0, base, base, 700, 700, causal=True)   # the side stream's own pools warm
+        torch.cuda._sleep(200_000_000)
+        cu_dev.copy_(base)                                             # the offsets are written after the sleep
         got = flash_attn_varlen_func(q0, k0, v0, cu_dev, cu_dev, 700, 700, causal=True)
         busy = not side.query()
     side.synchronize()
