@@ -264,11 +264,15 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 // block s writes sequence s's row [VL_SEQ_INTS] of vl_seqs, so that the forward above needs no host copy of the
 // offsets (a copy would wait for the caller's stream). The host's block table then holds, for every sequence, the
 // tiles of max_seqlen_q rows (`covered` rows), the forward's blocks past a sequence's rows returning at once.
-// The offsets are not checked (that needs the host): they are clamped into [0, total] and made non-decreasing per
-// sequence, so that no block reads or writes outside the packed arrays, and the rows no block will write, those of a
-// sequence longer than `covered` (max_seqlen_q too small) and those outside [cu_q[0], cu_q[S]], are set to NaN in out
-// and lse: a wrong argument shows, as it would not in uninitialised memory. band_lo / band_hi: the band at Nq = Nk
-// (sandbox/masks.py Band.from_options(1, 1, ...)), moved by each sequence's Nk - Nq as the host's table does.
+// The offsets cannot be checked on the host without that wait, so they are checked here, per sequence: query rows
+// [cu_q[s], cu_q[s + 1]) are taken where 0 <= cu_q[s] <= cu_q[s + 1] <= total_q and cu_q[s] is the maximum of
+// cu_q[0 .. s] (so that no two taken sequences share a row); any other sequence gets no query rows (no block
+// writes for it). Key offsets are clamped into [0, total_k] (reads only). The rows no block will write are set to
+// NaN in out and lse: those of a sequence not taken, those of a sequence longer than `covered` (max_seqlen_q too
+// small), and those outside [cu_q[0], cu_q[S]]; a taken sequence's block writes its rows after this kernel (stream
+// order), so every row of out ends as either a taken sequence's result or NaN, and a broken contract shows.
+// band_lo / band_hi: the band at Nq = Nk (sandbox/masks.py Band.from_options(1, 1, ...)), moved by each sequence's
+// Nk - Nq as the host's table does. total_q, total_k < 2^31 (the host checks).
 __device__ __forceinline__ void set_nan(__half& x) { x = __ushort_as_half(0x7e00); }
 __device__ __forceinline__ void set_nan(__nv_bfloat16& x) { x = __ushort_as_bfloat16(0x7fc0); }
 
@@ -278,26 +282,37 @@ fa2_varlen_seqs(const I* __restrict__ cu_q, const I* __restrict__ cu_k, int S, l
                 int band_lo, int band_hi, long long covered, int Hq, int d, int* __restrict__ vl_seqs,
                 T* __restrict__ O, float* __restrict__ LSE) {
     constexpr long long UNB = 1LL << 30;                       // sandbox/masks.py UNBOUNDED
+    __shared__ long long warp_max[4];
     const int s = blockIdx.x;
     auto clamp = [](long long x, long long lo, long long hi) { return x < lo ? lo : (x > hi ? hi : x); };
-    const long long q0 = clamp((long long)cu_q[s], 0, total_q), q1 = clamp((long long)cu_q[s + 1], q0, total_q);
+    // the maximum of cu_q[0 .. s], over the block
+    long long pm = -0x7fffffffffffffffLL - 1;
+    for (int i = threadIdx.x; i <= s; i += blockDim.x) pm = max(pm, (long long)cu_q[i]);
+    for (int o = 16; o > 0; o /= 2) pm = max(pm, __shfl_xor_sync(0xffffffffu, pm, o));
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = pm;
+    __syncthreads();
+    pm = max(max(warp_max[0], warp_max[1]), max(warp_max[2], warp_max[3]));
+    const long long a = cu_q[s], b = cu_q[s + 1];
+    const bool taken = 0 <= a && a <= b && b <= total_q && a == pm;
+    const long long q0 = clamp(a, 0, total_q), q1 = clamp(b, q0, total_q);
     const long long k0 = clamp((long long)cu_k[s], 0, total_k), k1 = clamp((long long)cu_k[s + 1], k0, total_k);
     if (threadIdx.x == 0) {
-        const long long shift = (k1 - k0) - (q1 - q0);
+        const long long nq = taken ? q1 - q0 : 0, shift = (k1 - k0) - nq;
         const long long lo = band_lo <= -UNB ? -UNB : clamp(band_lo + shift, -UNB, UNB);
         const long long hi = band_hi >= UNB ? UNB : clamp(band_hi + shift, -UNB, UNB);
         int* row = vl_seqs + (long long)VL_SEQ_INTS * s;
-        row[0] = (int)q0, row[1] = (int)(q1 - q0), row[2] = (int)k0, row[3] = (int)(k1 - k0);
+        row[0] = (int)q0, row[1] = (int)nq, row[2] = (int)k0, row[3] = (int)(k1 - k0);
         row[4] = (int)lo, row[5] = (int)hi;
     }
-    // rows [a, b) that no forward block writes: NaN in out (all heads) and lse
-    auto poison = [&](long long a, long long b) {
+    // rows [r0, r1) that no forward block writes: NaN in out (all heads) and lse
+    auto poison = [&](long long r0, long long r1) {
         const long long width = (long long)Hq * d;
-        for (long long e = a * width + threadIdx.x; e < b * width; e += blockDim.x) set_nan(O[e]);
-        for (long long e = threadIdx.x; e < (b - a) * Hq; e += blockDim.x)
-            LSE[(e % Hq) * total_q + a + e / Hq] = __int_as_float(0x7fc00000);
+        for (long long e = r0 * width + threadIdx.x; e < r1 * width; e += blockDim.x) set_nan(O[e]);
+        for (long long e = threadIdx.x; e < (r1 - r0) * Hq; e += blockDim.x)
+            LSE[(e % Hq) * total_q + r0 + e / Hq] = __int_as_float(0x7fc00000);
     };
-    if (q1 - q0 > covered) poison(q0 + covered, q1);
+    if (!taken) poison(q0, q1);
+    else if (q1 - q0 > covered) poison(q0 + covered, q1);
     if (s == 0) poison(0, clamp((long long)cu_q[0], 0, total_q));
     if (s == S - 1) poison(q1, total_q);
 }

@@ -28,6 +28,7 @@ import weakref
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import api, varlen
 from .masks import BlockSparse
@@ -151,6 +152,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable             # the backward is not itself differentiable: a double backward says so
     def backward(ctx, dout, dlse):
         if dout is None:
             return None, None, None, None, None, None
@@ -167,6 +169,11 @@ def _fast_backward(plan, rng, dout, q, k, v, out, lse):
     again: the plan holds the bound variant and the checked problem), or None where the plan has no backward
     launch for dout's layout (the generic path then runs)."""
     from . import fastpath
+    # the plan's launches are made for the forward's q, k, v strides; a saved-tensor hook (save_on_cpu, activation
+    # offloading) may give them back in another layout, which the generic path takes
+    st = plan.strides
+    if (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())) != (st["q"], st["k"], st["v"]):
+        return None
     if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
         dout = dout.contiguous()
     if dout.dtype != q.dtype or dout.device != q.device:
@@ -174,7 +181,7 @@ def _fast_backward(plan, rng, dout, q, k, v, out, lse):
     launch = fastpath.backward_launch(plan, plan.bound, dout, out)
     if launch is None:
         return None
-    return fastpath.run_backward(launch, fastpath.problem_for(plan, *rng), dout, q, k, v, out, lse)
+    return fastpath.run_backward(launch, fastpath.problem_for(plan, *rng), dout, q, k, v, out, lse.contiguous())
 
 
 # ---- the public entry point
@@ -249,18 +256,23 @@ class _Varlen(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, options):
         out, lse = varlen.forward(q, k, v, cu_q, cu_k, **options)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cu, ctx.options = (cu_q, cu_k), options
+        # offsets given as tensors are saved as tensors: an in-place change before the backward (a loader reusing
+        # its buffer) is then autograd's version error, not gradients of other sequences
+        cus = tuple(c if torch.is_tensor(c) else None for c in (cu_q, cu_k))
+        ctx.save_for_backward(q, k, v, out, lse, *cus)
+        ctx.cu, ctx.options = tuple(None if t is not None else c for c, t in zip((cu_q, cu_k), cus)), options
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)       # as _Attention: no zero gradient made for lse
         return out, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout, dlse):
         if dout is None:
             return None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = varlen.backward(dout.contiguous(), q, k, v, out, lse, *ctx.cu, **ctx.options)
+        q, k, v, out, lse, *cus = ctx.saved_tensors
+        cu = tuple(t if t is not None else c for t, c in zip(cus, ctx.cu))
+        dq, dk, dv = varlen.backward(dout.contiguous(), q, k, v, out, lse, *cu, **ctx.options)
         return dq, dk, dv, None, None, None
 
 

@@ -31,9 +31,12 @@ non-decreasing, max_seqlen at least the longest). On the GPU (int32 / int64, as 
 them), with max_seqlen_q given, the single-launch forward reads them in place and never waits: a small kernel
 (fa2_varlen_seqs) makes the sequence table on the device, and the block table holds every sequence's Q tiles
 of max_seqlen_q rows, the blocks past a shorter sequence's rows returning at once. Their values cannot be
-checked without a wait, so the kernel clamps them into the packed arrays (no access outside them) and sets
-to NaN the rows no block writes (a sequence longer than max_seqlen_q; rows outside cu_seqlens_q[0] ..
-cu_seqlens_q[-1]): a broken contract shows in the output. Every other use of GPU offsets (the per-sequence
+checked on the host without a wait, so that kernel checks them per sequence (a sequence whose query
+offsets decrease, leave the packed array or reach back into an earlier sequence gets no rows; key offsets
+are clamped into the array) and sets to NaN the rows no block writes (such a sequence's, those of a
+sequence longer than max_seqlen_q, those outside cu_seqlens_q[0] .. cu_seqlens_q[-1]): every output row
+is a valid sequence's result or NaN, so a broken contract shows, and nothing is read or written outside
+the arrays. Every other use of GPU offsets (the per-sequence
 path, the backward) copies them to the host, which waits for the caller's stream.
 
 Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
@@ -106,6 +109,9 @@ def _check_device_offsets(cu_q, cu_k, max_q, max_k):
         if len(cu.shape) != 1 or cu.shape[0] < 2 or dtype_name(cu) not in ("int32", "int64"):
             raise TypeError(f"{nm} must be a 1-D int32 or int64 array of S + 1 >= 2 offsets; got {dtype_name(cu)}, "
                             f"shape {tuple(cu.shape)}")
+        if arrays.element_strides(cu)[0] != 1 if arrays.kind_of(cu) == "cupy" else cu.stride(0) != 1:
+            raise ValueError(f"{nm} on the GPU must be contiguous (the kernel reads it in place); got a strided "
+                             "view: pass .contiguous()")
     if cu_q.shape[0] != cu_k.shape[0]:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe as many sequences; got {cu_q.shape[0] - 1} "
                          f"and {cu_k.shape[0] - 1}")
@@ -227,16 +233,26 @@ def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
     causal, scale, window = _causal(causal), _scale(scale, q.shape[2]), _window(window)
     impl, cfg = bound.variant.impl, bound.config
     block_r, _ = impl.varlen_tiles(cfg, q.shape[2])
-    S, T = cu_q.shape[0] - 1, -(-int(max_q) // block_r)
+    if max(q.shape[0], k.shape[0]) > INT32_MAX:
+        raise ValueError(f"packed lengths {q.shape[0]} and {k.shape[0]}: the packed-sequence kernel's offsets are "
+                         f"int32 (at most {INT32_MAX}); pass single_launch=False for the per-sequence path")
+    # no sequence is longer than the packed batch (the kernel takes no more rows): a max_seqlen_q past it (a bucket
+    # size) launches no useless blocks
+    S, T = cu_q.shape[0] - 1, -(-min(int(max_q), q.shape[0]) // block_r)
+    if S * T > INT32_MAX:
+        raise ValueError(f"{S} sequences of up to {min(int(max_q), q.shape[0])} query rows need {S * T} thread blocks, "
+                         f"past the grid's limit ({INT32_MAX}); pass single_launch=False")
     b = np.arange(S * T)
     blocks = np.stack([b % S, T - 1 - b // S], axis=1)
     rel = Band.from_options(1, 1, causal, window)
     lo, hi = max(rel.lo, -UNBOUNDED), min(rel.hi, UNBOUNDED)
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
+        import cupy
         qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
         cq, ck = (arrays.to_device(x, nm) for x, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")))
-        import cupy
+        if cq.dtype != ck.dtype:      # one offset type for the kernel: the wider one, converted on the stream
+            cq, ck = cq.astype(cupy.int64), ck.astype(cupy.int64)
         table = _upload_ints(blocks, cupy).reshape(-1, 2)
         out, lse = impl.forward_varlen(qb, kb, vb, None, table, scale, cfg,
                                        device_offsets=(cq, ck, lo, hi, T * block_r))

@@ -543,3 +543,32 @@ def test_backward_launches_from_the_forwards_plan(name, monkeypatch):
                  *(x.double() for x in (q, k, v, dout)))
     for x, y in zip(got, ref):
         torch.testing.assert_close(x.double(), y, rtol=2e-2, atol=2e-2)
+
+
+def test_backward_after_a_saved_tensor_hook_changed_the_layout():
+    """Activation offloading (torch.autograd.graph.save_on_cpu) gives the saved q, k, v back contiguous, while the
+    forward's plan was made for a transposed (B, N, H, d) view: the backward must take the generic path for the
+    layout it gets, not launch the plan's kernels with the forward's strides."""
+    import sandbox.torch as st
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q, k, v, dout = (torch.randn(2, 160, 4, 64, device="cuda", dtype=torch.float16, generator=g).transpose(1, 2)
+                     for _ in range(4))
+    for name in ("fa3", "fa2-tc"):
+        want = _grads(lambda a, b, c: st.attention(a.transpose(1, 2).contiguous().transpose(1, 2), b, c, variant=name,
+                                                   causal=True), q, k, v, dout)
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            got = _grads(lambda a, b, c: st.attention(a, b, c, variant=name, causal=True), q, k, v, dout)
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x.float(), y.float(), rtol=1e-2, atol=1e-2)
+        ref = _grads(lambda a, b, c: _sdpa_ref(a, b, c, True, False), *(x.double() for x in (q, k, v, dout)))
+        for x, y in zip(got[1:], ref[1:]):
+            torch.testing.assert_close(x.double(), y, rtol=2e-2, atol=2e-2)
+
+
+def test_a_double_backward_is_refused_not_silently_wrong():
+    import sandbox.torch as st
+    q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
+    out = st.attention(q, k, v, variant="fa3", causal=True)
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiable"):
+        gq.sum().backward()

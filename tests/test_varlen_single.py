@@ -264,7 +264,7 @@ def _lens_max(cu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_device_offsets_give_the_host_tables_results(dtype):
+def test_device_offsets_give_the_host_tables_results(dtype, monkeypatch):
     """cu_seqlens as CUDA int32 / int64 tensors and CuPy arrays, with max_seqlen_q: the sequence table made on the
     device (fa2_varlen_seqs) and the block table of max_seqlen_q's tiles give the host tables' out and lse bit for
     bit (each row is computed by one block with the same code; only the blocks' order differs), dead rows included."""
@@ -274,16 +274,20 @@ def test_device_offsets_give_the_host_tables_results(dtype):
     for n, (opts, d, hq, hkv) in enumerate(GPU_CASES):
         q, k, v = _torch_packed(CU_Q, CU_K, hq, hkv, d, dtype, seed=n)
         want = varlen.forward(q, k, v, CU_Q, CU_K, **opts)
-        for idx in (torch.int32, torch.int64):
-            cq, ck = (torch.tensor(c, dtype=idx, device="cuda") for c in (CU_Q, CU_K))
-            got = varlen.forward(q, k, v, cq, ck, _lens_max(CU_Q), _lens_max(CU_K), **opts)
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), (opts, idx)
-        if dtype != "float16":
-            continue                  # CuPy holds no bfloat16 arithmetic type: the torch rows cover it
-        qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
-        got = varlen.forward(qc, kc, vc, cp.asarray(CU_Q, dtype=cp.int32), cp.asarray(CU_K, dtype=cp.int32),
-                             _lens_max(CU_Q), _lens_max(CU_K), **opts)
-        assert all(cp.array_equal(cp.asarray(a), cp.asarray(b)) for a, b in zip(got, want)), opts
+        with monkeypatch.context() as m:      # the offsets must not reach the host (that path reads them there)
+            m.setattr(varlen, "_lengths", lambda *a: pytest.fail("GPU offsets were copied to the host"))
+            for iq, ik in ((torch.int32, torch.int32), (torch.int64, torch.int64), (torch.int32, torch.int64)):
+                cq, ck = torch.tensor(CU_Q, dtype=iq, device="cuda"), torch.tensor(CU_K, dtype=ik, device="cuda")
+                got = varlen.forward(q, k, v, cq, ck, _lens_max(CU_Q), _lens_max(CU_K), **opts)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (opts, iq, ik)
+            got = varlen.forward(q, k, v, cq, ck, 10 ** 9, 10 ** 9, **opts)     # a bucket size: as many blocks
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), opts       # as the packed rows need
+            if dtype != "float16":
+                continue              # CuPy holds no bfloat16 arithmetic type: the torch rows cover it
+            qc, kc, vc = (cp.asarray(x) for x in (q, k, v))
+            got = varlen.forward(qc, kc, vc, cp.asarray(CU_Q, dtype=cp.int32), cp.asarray(CU_K, dtype=cp.int32),
+                                 _lens_max(CU_Q), _lens_max(CU_K), **opts)
+            assert all(cp.array_equal(cp.asarray(a), cp.asarray(b)) for a, b in zip(got, want)), opts
 
 
 @pytest.mark.gpu
@@ -326,7 +330,9 @@ def test_device_offsets_written_on_a_busy_stream_are_read_without_a_wait():
 def test_device_offsets_that_break_the_contract_show_as_nan_and_stay_in_bounds():
     """Offsets the host cannot check without a wait: a max_seqlen_q below the longest sequence leaves that
     sequence's rows past it NaN (out and lse) and every other row right; offsets ending short of the packed length
-    leave the tail NaN; offsets past the arrays or decreasing are clamped (the call completes, no illegal access)."""
+    leave the tail NaN; a sequence whose offsets leave the array, decrease or reach back into an earlier one is not
+    taken (its rows NaN unless a taken sequence holds them); strided GPU offsets are refused. Run under
+    compute-sanitizer too (no access outside the arrays)."""
     torch = pytest.importorskip("torch")
     q, k, v = _torch_packed(CU_Q, CU_K, 4, 2, 64, "float16", seed=4)
     want_o, want_l = varlen.forward(q, k, v, CU_Q, CU_K, causal=True)
@@ -343,6 +349,15 @@ def test_device_offsets_that_break_the_contract_show_as_nan_and_stay_in_bounds()
     short = torch.tensor(CU_Q[:-1] + [CU_Q[-2]], dtype=torch.int32, device="cuda")   # the last row left out
     o, l_ = varlen.forward(q, k, v, short, ck, 300, 300, causal=True)
     assert torch.isnan(o[-1]).all() and torch.isnan(l_[:, -1]).all() and not torch.isnan(o[:-1]).any()
-    for bad in ([0, 10**6, 5, 2**31 - 1, 7, -3, 301], [0, 301, 0, 301, 0, 301, 0]):
-        o, l_ = varlen.forward(q, k, v, torch.tensor(bad, dtype=torch.int32, device="cuda"), ck, 400, 400)
-        torch.cuda.synchronize()                      # an illegal access would surface here
+    # offsets out of the array or decreasing: no sequence is taken, every row NaN
+    o, l_ = varlen.forward(q, k, v, torch.tensor([0, 10**6, 5, 2**31 - 1, 7, -3, 301], dtype=torch.int32,
+                                                 device="cuda"), ck, 400, 400)
+    assert torch.isnan(o).all() and torch.isnan(l_).all()
+    # a sequence reaching back into an earlier one is not taken (no two blocks write one row): the first sequence,
+    # all 301 rows against its 9 keys, is the only one taken, the others' rows are its own
+    o, l_ = varlen.forward(q, k, v, torch.tensor([0, 301, 0, 301, 0, 301, 0], dtype=torch.int32, device="cuda"),
+                           ck, 400, 400)
+    one_o, one_l = varlen.forward(q, k, v, [0, 301], [0, 9])
+    assert torch.equal(o, one_o) and torch.equal(l_, one_l)
+    with pytest.raises(ValueError, match="contiguous"):
+        varlen.forward(q, k, v, torch.tensor(CU_Q * 2, dtype=torch.int32, device="cuda")[::2], ck, 400, 400)

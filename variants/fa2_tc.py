@@ -624,14 +624,14 @@ class FA2TensorCore:
             raise ValueError(f"forward_varlen: tables of shapes [S, {VL_SEQ_INTS}] and [blocks, 2] expected, "
                              f"got {seqs_shape} and {tuple(blocks.shape)}")
         import cupy as xp
-        if device_offsets is not None:
-            seqs, out, lse = self._device_seqs(q, k, *device_offsets, config)
-        else:
-            out, lse = _varlen_outputs(q, xp)
         total_q, Hq, d = q.shape
         views = [x.transpose(1, 0, 2)[None] for x in (q, k, v)]       # [1, H, total, d], zero-copy
         for x, nm in zip(views, ("q", "k", "v")):
             check_alignment(x, nm, self.name)
+        if device_offsets is not None:
+            seqs, out, lse = self._device_seqs(q, k, *device_offsets, config)
+        else:
+            out, lse = _varlen_outputs(q, xp)
         if scale < 0:              # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T), as `launch` does
             views[1] = arrays.negate(views[1], xp)
         D, dtype = d_pad(d), dtype_name(q)
