@@ -261,9 +261,10 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 
 #ifdef FA_VARLEN
 // The sequence table from offsets on the GPU (cu_seqlens as flash-attn's callers keep them; sandbox/varlen.py):
-// block s writes sequence s's row [VL_SEQ_INTS] of vl_seqs, so that the forward above needs no host copy of the
-// offsets (a copy would wait for the caller's stream). The host's block table then holds, for every sequence, the
-// tiles of max_seqlen_q rows (`covered` rows), the forward's blocks past a sequence's rows returning at once.
+// block s writes sequence s's row [VL_SEQ_INTS] of vl_seqs and its `tiles` entries of the block table vl_blocks, so
+// that the forward above needs no host copy of the offsets (a copy would wait for the caller's stream) and no
+// upload: every sequence gets the Q tiles of max_seqlen_q rows (`covered` rows, tiles x block_r), the forward's
+// blocks past a sequence's rows returning at once.
 // The offsets cannot be checked on the host without that wait, so they are checked here, per sequence: query rows
 // [cu_q[s], cu_q[s + 1]) are taken where 0 <= cu_q[s] <= cu_q[s + 1] <= total_q and cu_q[s] is the maximum of
 // cu_q[0 .. s] (so that no two taken sequences share a row); any other sequence gets no query rows (no block
@@ -279,8 +280,9 @@ __device__ __forceinline__ void set_nan(__nv_bfloat16& x) { x = __ushort_as_bflo
 template <typename I, typename T>
 __global__ void __launch_bounds__(128)
 fa2_varlen_seqs(const I* __restrict__ cu_q, const I* __restrict__ cu_k, int S, long long total_q, long long total_k,
-                int band_lo, int band_hi, long long covered, int Hq, int d, int* __restrict__ vl_seqs,
-                T* __restrict__ O, float* __restrict__ LSE) {
+                int band_lo, int band_hi, int tiles, int block_r, int Hq, int d, int* __restrict__ vl_seqs,
+                int* __restrict__ vl_blocks, T* __restrict__ O, float* __restrict__ LSE) {
+    const long long covered = (long long)tiles * block_r;
     constexpr long long UNB = 1LL << 30;                       // sandbox/masks.py UNBOUNDED
     __shared__ long long warp_max[4];
     const int s = blockIdx.x;
@@ -311,6 +313,13 @@ fa2_varlen_seqs(const I* __restrict__ cu_q, const I* __restrict__ cu_k, int S, l
         for (long long e = threadIdx.x; e < (r1 - r0) * Hq; e += blockDim.x)
             LSE[(e % Hq) * total_q + r0 + e / Hq] = __int_as_float(0x7fc00000);
     };
+    // the block table [S * tiles][2]: block (tiles - 1 - t) S + s runs Q tile t of sequence s (every sequence's last
+    // tiles first: causal's longest rows start early)
+    for (int t = threadIdx.x; t < tiles; t += blockDim.x) {
+        const long long b = (long long)(tiles - 1 - t) * S + s;
+        vl_blocks[2 * b] = s;
+        vl_blocks[2 * b + 1] = t;
+    }
     if (!taken) poison(q0, q1);
     else if (q1 - q0 > covered) poison(q0 + covered, q1);
     if (s == 0) poison(0, clamp((long long)cu_q[0], 0, total_q));

@@ -223,11 +223,10 @@ def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
 
 
 def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
-    """The one-launch forward with offsets on the GPU, unread on the host (no wait): the sequence table is made on
-    the device (fa2_varlen_seqs), the block table from S and max_seqlen_q alone: every sequence's Q tiles of
+    """The one-launch forward with offsets on the GPU, unread on the host (no wait, no upload): both tables are made
+    on the device (fa2_varlen_seqs), the block table from S and max_seqlen_q alone: every sequence's Q tiles of
     max_seqlen_q rows, the last tiles of all sequences first (causal's longest rows); the blocks past a sequence's
     rows return at once. A sequence longer than max_seqlen_q (flash-attn's contract broken) gets NaN rows."""
-    from .decode import _upload_ints
     from .masks import UNBOUNDED, Band
     from .problem import _causal, _scale, _window
     causal, scale, window = _causal(causal), _scale(scale, q.shape[2]), _window(window)
@@ -242,8 +241,6 @@ def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
     if S * T > INT32_MAX:
         raise ValueError(f"{S} sequences of up to {min(int(max_q), q.shape[0])} query rows need {S * T} thread blocks, "
                          f"past the grid's limit ({INT32_MAX}); pass single_launch=False")
-    b = np.arange(S * T)
-    blocks = np.stack([b % S, T - 1 - b // S], axis=1)
     rel = Band.from_options(1, 1, causal, window)
     lo, hi = max(rel.lo, -UNBOUNDED), min(rel.hi, UNBOUNDED)
     kind = arrays.kind_of(q)
@@ -253,9 +250,7 @@ def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
         cq, ck = (arrays.to_device(x, nm) for x, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")))
         if cq.dtype != ck.dtype:      # one offset type for the kernel: the wider one, converted on the stream
             cq, ck = cq.astype(cupy.int64), ck.astype(cupy.int64)
-        table = _upload_ints(blocks, cupy).reshape(-1, 2)
-        out, lse = impl.forward_varlen(qb, kb, vb, None, table, scale, cfg,
-                                       device_offsets=(cq, ck, lo, hi, T * block_r))
+        out, lse = impl.forward_varlen(qb, kb, vb, None, None, scale, cfg, device_offsets=(cq, ck, lo, hi, T))
         return arrays.like(out, kind), arrays.like(lse, kind)
 
 

@@ -614,22 +614,26 @@ class FA2TensorCore:
         seqs, blocks the device int32 tables of sandbox.varlen.tables. Returns (out (total_q, Hq, d) contiguous,
         lse (Hq, total_q) float32). Every row of out and lse is written (a sequence without queries
         has none), so both start uninitialised.
-        device_offsets=(cu_q, cu_k, band_lo, band_hi, covered): the offsets on the device (int32 or int64 CuPy
-        arrays, S + 1 each), `seqs` None: the sequence table is made on the device first (fa2_varlen_seqs, no
-        host copy of the offsets); `blocks` must then hold every tile of `covered` rows for every sequence."""
-        seqs_shape = (len(device_offsets[0]) - 1, VL_SEQ_INTS) if device_offsets is not None else tuple(seqs.shape)
-        if blocks.ndim != 2 or blocks.shape[1] != 2 or len(seqs_shape) != 2 or seqs_shape[1] != VL_SEQ_INTS:
+        device_offsets=(cu_q, cu_k, band_lo, band_hi, tiles): the offsets on the device (CuPy arrays of one type,
+        int32 or int64, S + 1 each), `seqs` and `blocks` None: both tables are made on the device first
+        (fa2_varlen_seqs: no host copy of the offsets, no upload), `tiles` Q tiles per sequence."""
+        if device_offsets is not None:
+            seqs_shape, blocks = (len(device_offsets[0]) - 1, VL_SEQ_INTS), None
+        else:
+            seqs_shape = tuple(seqs.shape)
+        if (blocks is not None and (blocks.ndim != 2 or blocks.shape[1] != 2)) or len(seqs_shape) != 2 or \
+                seqs_shape[1] != VL_SEQ_INTS:
             # grid.x is the number of (sequence, Q tile) rows: a flat block table would launch 2x the blocks,
             # whose second half reads its entries past the table's end (wild sequence / tile indices)
             raise ValueError(f"forward_varlen: tables of shapes [S, {VL_SEQ_INTS}] and [blocks, 2] expected, "
-                             f"got {seqs_shape} and {tuple(blocks.shape)}")
+                             f"got {seqs_shape} and {None if blocks is None else tuple(blocks.shape)}")
         import cupy as xp
         total_q, Hq, d = q.shape
         views = [x.transpose(1, 0, 2)[None] for x in (q, k, v)]       # [1, H, total, d], zero-copy
         for x, nm in zip(views, ("q", "k", "v")):
             check_alignment(x, nm, self.name)
         if device_offsets is not None:
-            seqs, out, lse = self._device_seqs(q, k, *device_offsets, config)
+            seqs, blocks, out, lse = self._device_seqs(q, k, *device_offsets, config)
         else:
             out, lse = _varlen_outputs(q, xp)
         if scale < 0:              # softmax(scale Q K^T) = softmax(|scale| Q (-K)^T), as `launch` does
@@ -645,10 +649,10 @@ class FA2TensorCore:
                shared_mem=unit.dynamic_smem[name])
         return out, lse
 
-    def _device_seqs(self, q, k, cu_q, cu_k, band_lo: int, band_hi: int, covered: int, config):
-        """(sequence table [S, VL_SEQ_INTS], out, lse): the table made on the device from device offsets
-        (fa2_varlen_seqs) on CuPy's current stream, and the forward's outputs, which it sets to NaN where no
-        forward block writes."""
+    def _device_seqs(self, q, k, cu_q, cu_k, band_lo: int, band_hi: int, tiles: int, config):
+        """(sequence table [S, VL_SEQ_INTS], block table [S tiles, 2], out, lse): the tables made on the device
+        from device offsets (fa2_varlen_seqs) on CuPy's current stream, and the forward's outputs, which it sets
+        to NaN where no forward block writes."""
         import cupy as xp
         offsets = dtype_name(cu_q)
         if offsets not in VARLEN_OFFSET_TYPES or dtype_name(cu_k) != offsets:
@@ -659,10 +663,11 @@ class FA2TensorCore:
         unit = config.varlen_unit(dtype, d_pad(d))
         out, lse = _varlen_outputs(q, xp)
         seqs = xp.empty((S, VL_SEQ_INTS), dtype=xp.int32)
+        blocks = xp.empty((S * tiles, 2), dtype=xp.int32)
         launch(unit, varlen_seqs_name(offsets, dtype), (S,), (128,),
-               (cu_q, cu_k, i32(S), i64(total_q), i64(k.shape[0]), i32(band_lo), i32(band_hi), i64(covered), i32(Hq),
-                i32(d), seqs, out, lse))
-        return seqs, out, lse
+               (cu_q, cu_k, i32(S), i64(total_q), i64(k.shape[0]), i32(band_lo), i32(band_hi), i32(tiles),
+                i32(config.block_r), i32(Hq), i32(d), seqs, blocks, out, lse))
+        return seqs, blocks, out, lse
 
     def forward(self, p, q, k, v, config):
         if p.score_mod is not None or p.mask_mod is not None:
