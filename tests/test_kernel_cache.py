@@ -415,3 +415,20 @@ def test_second_process_loads_the_cached_cubin(tmp_path):
     assert cold["out"] == warm["out"] == cupy_path["out"]
     for run in (cold, warm, cupy_path):
         assert run["smem_attr"] >= run["smem_need"] > 48 * 1024, run
+
+
+def test_cuda_options_are_searched_once_per_environment(monkeypatch):
+    """launch.cuda_options: the include-path search (a few dozen stats, ~0.5 ms) runs once per environment, not
+    per call (the packed-sequence forward names its compile unit on every call)."""
+    from sandbox import launch, loader
+    launch._cuda_options.cache_clear()
+    calls = []
+    monkeypatch.setattr(loader, "cuda_include_dirs", lambda: calls.append(1) or ["/x"])
+    try:
+        assert launch.cuda_options() == ("-I/x",) and launch.cuda_options() == ("-I/x",)
+        assert len(calls) == 1
+        monkeypatch.setenv("CUDA_HOME", "/elsewhere")
+        launch.cuda_options()
+        assert len(calls) == 2
+    finally:
+        launch._cuda_options.cache_clear()
