@@ -59,6 +59,21 @@ def test_torch_entry_point_gradients():
     assert tolerance.compare("dq", _seq(q.grad.numpy(), 0, 6), ref[0], "float32").ok
 
 
+def test_offsets_changed_in_place_before_the_backward_are_refused():
+    """Offsets given as tensors are saved for the backward with their version: a loader that reuses the buffer
+    before the backward gets autograd's error, not the gradients of other sequences."""
+    torch = pytest.importorskip("torch")
+    st = pytest.importorskip("sandbox.torch")
+    cu = [0, 6, 16]
+    q, k, v, dout = (torch.from_numpy(x) for x in _packed(cu, cu, hq=2, hkv=2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    offsets = torch.tensor(cu, dtype=torch.int32)
+    out = st.varlen_attention(q, k, v, offsets, offsets, causal=True, variant=VARIANT)
+    offsets[1] = 8
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(dout)
+
+
 @pytest.mark.parametrize("cu_q,cu_k,kwargs,err,match", [
     ([0, 5, 4], [0, 3, 8], {}, ValueError, "cu_seqlens_q"),                     # decreasing
     ([0, 4, 8], [0, 8], {}, ValueError, "as many sequences"),
