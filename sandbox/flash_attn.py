@@ -239,7 +239,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            **params):
     """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens on the host or the GPU (read in
     place by the single launch's forward, else copied to the host: sandbox/varlen.py); returns (total_q, Hq, d),
-    or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None). One launch for the batch where fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
+    or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None). One launch for the batch where
+    fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
     _refuse(softcap, alibi_slopes, "flash_attn_varlen_func")
     _probs_refusal(return_attn_probs, dropout_p)
     if block_table is not None:

@@ -67,12 +67,19 @@ def _forward(*args):
     return res.out, res.lse
 
 
+def _aligned(dout):
+    """dout as the kernels read it (unit stride along d, rows of 16-byte multiples, a 16-byte aligned base):
+    autograd may hand an expanded, strided or offset gradient, which is copied."""
+    if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
+        return dout.contiguous()
+    return dout
+
+
 def _backward(dout, q, k, v, out, lse, seed, variant, params, causal, scale, dropout_p, has_window, left,
               right, layout, block_q, block_k, score_mod=None, mask_mod=None):
     name, prm = _spec(variant, params)
     rng = (int(seed.item()) if seed is not None else 0, 0)
-    if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
-        dout = dout.contiguous()        # autograd may hand an expanded, strided or offset gradient
+    dout = _aligned(dout)
     return api.backward(dout, None, name, q=q, k=k, v=v, out=out, lse=lse, rng=rng, causal=causal, scale=scale,
                         dropout_p=dropout_p, window=_window(has_window, left, right),
                         block_mask=_block_mask(layout, block_q, block_k), score_mod=score_mod, mask_mod=mask_mod,
@@ -174,8 +181,7 @@ def _fast_backward(plan, rng, dout, q, k, v, out, lse):
     st = plan.strides
     if (tuple(q.stride()), tuple(k.stride()), tuple(v.stride())) != (st["q"], st["k"], st["v"]):
         return None
-    if dout.stride(-1) != 1 or dout.stride(-2) % 8 or dout.data_ptr() % 16:
-        dout = dout.contiguous()
+    dout = _aligned(dout)
     if dout.dtype != q.dtype or dout.device != q.device:
         return None                   # the generic path says what is wrong
     launch = fastpath.backward_launch(plan, plan.bound, dout, out)

@@ -36,8 +36,8 @@ offsets decrease, leave the packed array or reach back into an earlier sequence 
 are clamped into the array) and sets to NaN the rows no block writes (such a sequence's, those of a
 sequence longer than max_seqlen_q, those outside cu_seqlens_q[0] .. cu_seqlens_q[-1]): every output row
 is a valid sequence's result or NaN, so a broken contract shows, and nothing is read or written outside
-the arrays. Every other use of GPU offsets (the per-sequence
-path, the backward) copies them to the host, which waits for the caller's stream.
+the arrays. Every other use of GPU offsets (the per-sequence path, the backward) copies them to the host,
+which waits for the caller's stream.
 
 Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
 index being the sequence index; a per-sequence call is batch 0 of its own problem, so it would
@@ -101,9 +101,9 @@ def _check(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, score_mod=None, mask_mo
 
 
 def _check_device_offsets(cu_q, cu_k, max_q, max_k):
-    """What the host can check of offsets on the GPU without reading them (their values stay unread: the
-    packed-sequence kernel clamps them, fa2_varlen_seqs): 1-D integer arrays of the same S + 1 >= 2 entries on q's
-    device, and max_seqlen_q / max_seqlen_k non-negative ints."""
+    """What the host can check of offsets on the GPU without reading them (their values stay unread here: the
+    packed-sequence kernel checks them per sequence, fa2_varlen_seqs): contiguous 1-D int32 / int64 arrays of the
+    same S + 1 >= 2 entries, and max_seqlen_q / max_seqlen_k non-negative ints."""
     from .precision import dtype_name
     for cu, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")):
         if len(cu.shape) != 1 or cu.shape[0] < 2 or dtype_name(cu) not in ("int32", "int64"):
@@ -213,13 +213,26 @@ def _forward_single(q, k, v, lq, lk, bound, causal, scale, window):
     impl, cfg = bound.variant.impl, bound.config
     block_r, block_c = impl.varlen_tiles(cfg, q.shape[2])        # ValueError outside the config's envelope
     seqs, blocks = tables(lq, lk, block_r, block_c, causal, window)
+
+    def run(qb, kb, vb, cp):
+        table = _upload_ints(np.concatenate([seqs.ravel(), blocks.ravel()]), cp)   # one copy, pinned, async
+        return impl.forward_varlen(qb, kb, vb, *split_tables(table, seqs.shape, blocks.shape), scale, cfg)
+    return _on_callers_stream(q, k, v, run)
+
+
+def _on_callers_stream(q, k, v, run):
+    """run(q, k, v as CuPy views, cupy) -> (out, lse) on the caller's stream; the results in q's array kind."""
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
-        import cupy as cp
-        qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
-        table = _upload_ints(np.concatenate([seqs.ravel(), blocks.ravel()]), cp)   # one copy, pinned, async
-        out, lse = impl.forward_varlen(qb, kb, vb, *split_tables(table, seqs.shape, blocks.shape), scale, cfg)
+        import cupy
+        out, lse = run(*(arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v"))), cupy)
         return arrays.like(out, kind), arrays.like(lse, kind)
+
+
+def _check_int32_lengths(total_q: int, total_k: int) -> None:
+    if max(total_q, total_k) > INT32_MAX:
+        raise ValueError(f"packed lengths {total_q} and {total_k}: the packed-sequence kernel's offsets are int32 (at "
+                         f"most {INT32_MAX}); pass single_launch=False for the per-sequence path")
 
 
 def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
@@ -232,9 +245,7 @@ def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
     causal, scale, window = _causal(causal), _scale(scale, q.shape[2]), _window(window)
     impl, cfg = bound.variant.impl, bound.config
     block_r, _ = impl.varlen_tiles(cfg, q.shape[2])
-    if max(q.shape[0], k.shape[0]) > INT32_MAX:
-        raise ValueError(f"packed lengths {q.shape[0]} and {k.shape[0]}: the packed-sequence kernel's offsets are "
-                         f"int32 (at most {INT32_MAX}); pass single_launch=False for the per-sequence path")
+    _check_int32_lengths(q.shape[0], k.shape[0])
     # no sequence is longer than the packed batch (the kernel takes no more rows): a max_seqlen_q past it (a bucket
     # size) launches no useless blocks
     S, T = cu_q.shape[0] - 1, -(-min(int(max_q), q.shape[0]) // block_r)
@@ -243,15 +254,13 @@ def _forward_device(q, k, v, cu_q, cu_k, max_q, bound, causal, scale, window):
                          f"past the grid's limit ({INT32_MAX}); pass single_launch=False")
     rel = Band.from_options(1, 1, causal, window)
     lo, hi = max(rel.lo, -UNBOUNDED), min(rel.hi, UNBOUNDED)
-    kind = arrays.kind_of(q)
-    with arrays.caller_stream(q):
-        import cupy
-        qb, kb, vb = (arrays.to_device(x, nm) for x, nm in ((q, "q"), (k, "k"), (v, "v")))
+
+    def run(qb, kb, vb, cp):
         cq, ck = (arrays.to_device(x, nm) for x, nm in ((cu_q, "cu_seqlens_q"), (cu_k, "cu_seqlens_k")))
         if cq.dtype != ck.dtype:      # one offset type for the kernel: the wider one, converted on the stream
-            cq, ck = cq.astype(cupy.int64), ck.astype(cupy.int64)
-        out, lse = impl.forward_varlen(qb, kb, vb, None, None, scale, cfg, device_offsets=(cq, ck, lo, hi, T))
-        return arrays.like(out, kind), arrays.like(lse, kind)
+            cq, ck = cq.astype(cp.int64), ck.astype(cp.int64)
+        return impl.forward_varlen(qb, kb, vb, None, None, scale, cfg, device_offsets=(cq, ck, lo, hi, T))
+    return _on_callers_stream(q, k, v, run)
 
 
 def split_tables(table, seqs_shape, blocks_shape):
@@ -275,9 +284,7 @@ def tables(lq, lk, block_r: int, block_c: int, causal: bool, window) -> tuple[np
     start early), ties in (sequence, tile) order."""
     from .masks import UNBOUNDED, Band
     lq, lk = np.asarray(lq, np.int64), np.asarray(lk, np.int64)
-    if max(int(lq[-1]), int(lk[-1])) > INT32_MAX:
-        raise ValueError(f"packed lengths {int(lq[-1])} and {int(lk[-1])}: the packed-sequence kernel's offsets are "
-                         f"int32 (at most {INT32_MAX}); pass single_launch=False for the per-sequence path")
+    _check_int32_lengths(int(lq[-1]), int(lk[-1]))
     nq, nk = np.diff(lq), np.diff(lk)
     rel = Band.from_options(1, 1, causal, window)       # the band at shift 0, moved by each sequence's Nk - Nq
     shift = nk - nq

@@ -92,3 +92,27 @@ def test_packed_shapes_are_checked():
     q, k, v, _ = _packed([0, 8], [0, 8])
     with pytest.raises(ValueError, match="packed"):
         varlen.forward(q[None], k, v, [0, 8], [0, 8], variant=VARIANT)
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_q,err,match", [
+    ("f32", "i32", 8, TypeError, "cu_seqlens_q must be a 1-D int32 or int64"),
+    ("i32", "2d", 8, TypeError, "cu_seqlens_k must be a 1-D int32 or int64"),
+    ("one", "one", 8, TypeError, "S \\+ 1 >= 2"),
+    ("strided", "i32", 8, ValueError, "contiguous"),
+    ("i32", "short", 8, ValueError, "as many sequences"),
+    ("i32", "i32", -1, ValueError, "max_seqlen_q=-1"),
+    ("i32", "i32", True, ValueError, "max_seqlen_q=True"),
+    ("i32", "i32", 8.0, ValueError, "max_seqlen_q=8.0"),
+])
+def test_offsets_on_the_gpu_are_checked_for_what_the_host_can_see(cu_q, cu_k, max_q, err, match):
+    """GPU offsets are read only by the kernel (their values would need a wait): the host refuses what it sees
+    without reading them, before any launch: dtype, rank, length, stride, S agreement, max_seqlen types. The checks
+    read shapes, dtypes and strides alone, so CPU tensors stand in for CUDA ones here."""
+    torch = pytest.importorskip("torch")
+    arrs = {"i32": torch.tensor([0, 4, 8], dtype=torch.int32), "f32": torch.tensor([0.0, 4.0, 8.0]),
+            "2d": torch.zeros(3, 1, dtype=torch.int32), "one": torch.zeros(1, dtype=torch.int32),
+            "strided": torch.tensor([0, 0, 4, 0, 8, 0], dtype=torch.int32)[::2],
+            "short": torch.tensor([0, 8], dtype=torch.int32)}
+    with pytest.raises(err, match=match):
+        varlen._check_device_offsets(arrs[cu_q], arrs[cu_k], max_q, None)
+    varlen._check_device_offsets(arrs["i32"], arrs["i32"].long(), 8, 8)     # mixed types are taken (converted)

@@ -292,9 +292,9 @@ def test_device_offsets_give_the_host_tables_results(dtype, monkeypatch):
 
 @pytest.mark.gpu
 def test_device_offsets_written_on_a_busy_stream_are_read_without_a_wait():
-    """Offsets computed on a side stream behind ~tens of ms of work: the call returns while that stream is still
-    busy (nothing read them on the host), and the result is the quiet call's; the torch autograd route's forward
-    does the same, and its backward (which copies the offsets to the host) gives the host offsets' gradients."""
+    """Offsets written on a side stream behind ~0.1 s of work: the call returns while that stream is still busy
+    (nothing read them on the host), and the result is the quiet call's; through the torch autograd route, GPU
+    offsets give the host offsets' out and gradients (its backward copies them to the host)."""
     torch = pytest.importorskip("torch")
     import sandbox.torch as st
     from sandbox.flash_attn import flash_attn_varlen_func
