@@ -61,6 +61,13 @@
 // MUFU ops instead of after them; predicted a few percent off the soft-cap's forward. Measured (H100, N = 4k causal,
 // two alternating runs, outputs bit-identical): 10% SLOWER at d = 64 (1.07 against 0.96-0.97 ms) and at d = 128
 // (0.681 against 0.615-0.620 ms).
+// Loop trace (FA_TRACE, variants/fa3_ws.py trace=True; bench/loop_trace.py reads it): the overlapped loop of the
+// grid's block 0 stores clock64() at eight points of every iteration (TRACE_EV below), lane 0 of each consumer
+// warpgroup's first warp, into fa_trace[warpgroup][iteration][event] (the first FA_TRACE_ITERS iterations; the reader
+// zeroes it before the launch). Without FA_TRACE the macros are empty: the kernel is the same. What it showed (H100,
+// N = 4k causal, bench/results/h100/2026-11-26-session-15.md): issuing a warpgroup's 16 wgmmas takes about as long as
+// they run (the warp resumes only when its last ones start), so its softmax starts when its own P V is almost done,
+// and without ping-pong the two warpgroups issue together and run their softmax together.
 // Envelope: D in {64, 128, 192, 256}, BC in {64, 80, 112, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; shared
 // memory and (D > 128) registers checked on the host (variants/fa3_ws.py). D = 256 runs FA3's tile: Br = 128
 // (NC = 2, 240 registers per consumer thread, O alone 128), Bc = 80, STAGES = 2: 64 KB of Q and 160 KB of
@@ -68,6 +75,22 @@
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
+
+// ---- the loop trace (header: FA_TRACE)
+#ifdef FA_TRACE
+#define FA_TRACE_ITERS 512
+// events: 0 the iteration's top, 1 K_{j+1} and V_j landed, 2 its turn (ping-pong), 3 S_{j+1}'s wgmmas issued,
+// 4 P_j V_j's issued, 5 S_{j+1} done, 6 its softmax done, 7 P_j V_j done
+__device__ long long fa_trace[3][FA_TRACE_ITERS][8];
+#define TRACE_EV(ev) do { if (blockIdx.x == 0 && blockIdx.y == 0 && lane == 0 && warp % 4 == 0 && \
+                              trace_i < FA_TRACE_ITERS) fa_trace[c][trace_i][ev] = clock64(); } while (0)
+#define TRACE_NEXT() (++trace_i)
+#define TRACE_DECL int trace_i = 0
+#else
+#define TRACE_EV(ev) do {} while (0)
+#define TRACE_NEXT() do {} while (0)
+#define TRACE_DECL
+#endif
 
 // ---- device helpers
 
@@ -225,6 +248,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const int g = lane / 4, tq = lane % 4, c = wg - 1;
         const int wrow = (warp - 4) * 16;             // the warp's first row in the tile
         int it = 0;                                   // ring position, as the producer's
+        TRACE_DECL;
         for (int u = 0; ; ++u) {
         const unsigned qb = u % QBUFS, q_use = u / QBUFS;
         mbar_wait(q_full + 8 * qb, q_use & 1);        // this item's Q landed (PERSIST: or the end was posted)
@@ -322,22 +346,31 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 const int sn = it % STAGES;
                 const unsigned pn = (it / STAGES) & 1;
                 float sc[1][NT][4], corr[1][2];
+                TRACE_EV(0);
                 seed(sc, tn);
                 mbar_wait(k_full + 8 * sn, pn);
                 mbar_wait(v_full + 8 * s, parity);
+                TRACE_EV(1);
                 my_turn();
+                TRACE_EV(2);
                 wgmma_fence();
                 wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
                 wgmma_commit();
+                TRACE_EV(3);
                 wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);                  // O += P_j V_j
                 wgmma_commit();
                 your_turn();
+                TRACE_EV(4);
                 wgmma_wait<1>();                                                    // S_{j+1} done
                 fence_accumulators(sc[0]);
+                TRACE_EV(5);
                 if (lane == 0) mbar_arrive(k_empty + 8 * sn);
                 scores_to_p(sc, tn, corr);             // under O += P_j V_j
+                TRACE_EV(6);
                 wgmma_wait<0>();
                 fence_accumulators(o[0]);
+                TRACE_EV(7);
+                TRACE_NEXT();
                 if (lane == 0) mbar_arrive(v_empty + 8 * s);
                 rescale_rows(o, corr);
                 p_operands<T>(pa, sc);

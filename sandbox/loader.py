@@ -120,6 +120,16 @@ def _module(source: str, options: tuple, names: tuple, archs: tuple = ()):
     return module
 
 
+def module_globals(source: str, option: str, name: str) -> list:
+    """The device global `name` (a cupy MemoryPointer) of every module of `source` loaded on the current device
+    whose build options include `option`: how a debugging switch's buffer is read back (fa3_ws.cu's -DFA_TRACE,
+    variants/fa3_ws.py read_trace)."""
+    import cupy
+    device = cupy.cuda.runtime.getDevice()
+    return [getattr(module, "raw", module).get_global(name) for key, module in _MODULES.items()
+            if key[0] == source and option in key[1] and key[5] in (None, device)]
+
+
 @functools.lru_cache(maxsize=None)
 def _cupy_module(source: str, options: tuple, names: tuple):
     import cupy

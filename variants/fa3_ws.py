@@ -33,7 +33,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from sandbox import arrays, stream_counters, tma
+from sandbox import arrays, loader, stream_counters, tma
 from sandbox.device import SMEM_PER_BLOCK_OPTIN, sm_count
 from sandbox.launch import COUNTERS, LaunchPlan, _cached, cuda_options, dropout_args, f32, i32, mask_args
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel
@@ -113,6 +113,7 @@ class WsConfig:
     exp2_fma: int = 0                                    # every k-th column block's exp2 on the FMA pipe (0: none)
     persistent: object = "auto"                          # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu);
                                                          # False, True or "auto" (for_head_dim)
+    trace: bool = False                                  # FA_TRACE: block 0's loop phase clocks (read_trace)
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
@@ -171,10 +172,12 @@ class WsConfig:
         drops = (False, True) if mods is None else (mods.dropout,)
         names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
+        emu += ("-DFA_TRACE",) if self.trace else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
-                                 f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{mods.label if mods else ''}]",
+                                 f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{', trace' if self.trace else ''}"
+                                 f"{mods.label if mods else ''}]",
                            archs=ARCHS)
 
     def envelope_errors(self, D: int, mods: bool = False) -> list[str]:
@@ -192,6 +195,34 @@ class WsConfig:
 
 
 # ---- launch
+
+# ---- the loop trace (trace=True: kernels_cu/fa3_ws.cu FA_TRACE)
+
+TRACE_EVENTS = ("top", "operands", "turn", "s_issued", "pv_issued", "s_done", "softmax_done", "pv_done")
+TRACE_SHAPE = (3, 512, len(TRACE_EVENTS))      # [consumer warpgroup][iteration][event], fa3_ws.cu's fa_trace
+
+
+def _trace_buffers() -> list:
+    import cupy as cp
+    return [cp.ndarray(TRACE_SHAPE, cp.int64, ptr) for ptr in loader.module_globals("fa3_ws.cu", "-DFA_TRACE", "fa_trace")]
+
+
+def clear_traces() -> None:
+    """Zero the trace of every traced fa3 module loaded on this device (before the launch to be read)."""
+    for buf in _trace_buffers():
+        buf.fill(0)
+
+
+def read_trace():
+    """The clocks of the last traced launch since clear_traces (the traced module whose buffer holds the most
+    entries), as a host int64 array TRACE_SHAPE: clock64() per consumer warpgroup, loop iteration and event
+    (TRACE_EVENTS); rows past the block's walk are zero. Synchronises the device (a debugging tool)."""
+    import numpy as np
+    bufs = [b.get() for b in _trace_buffers()]
+    if not bufs:
+        raise RuntimeError("no traced fa3 module is loaded: run fa3 with trace=True first")
+    return max(bufs, key=lambda a: int(np.count_nonzero(a)))
+
 
 def _no_sched(xp):
     """The `sched` argument of a non-persistent launch: a device int the kernel never reads (cached)."""
@@ -213,9 +244,9 @@ class FA3WarpSpecialized(FA3Wgmma):
         self.name, self.overlap = name, overlap
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
-                  exp2_fma=0, persistent="auto"):
+                  exp2_fma=0, persistent="auto", trace=False):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
-                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent)
+                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -361,7 +392,10 @@ register(Variant(
                 "fa2-tc's backward",
     impl=FA3WarpSpecialized("fa3", overlap=True), caps=CAPS,
     params=(*PARAMS, Param("pingpong", (False, True), False, "the two consumer warpgroups take turns issuing their "
-                           "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2")),
+                           "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2"),
+            Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
+                  "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
+                  "the result is the same")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},

@@ -1,0 +1,171 @@
+"""python -m bench.loop_trace --out DIR: where fa3's overlapped loop spends its clocks, per consumer warpgroup.
+
+fa3 with trace=True (kernels_cu/fa3_ws.cu FA_TRACE) stores clock64() at eight points of every loop iteration of the
+grid's block 0 (its first Q tile of head 0: the longest causal walk). From them, per warpgroup, the median clocks
+of each phase of an iteration:
+
+  operands   the K_{j+1} / V_j mbarrier waits        turn      the ping-pong barrier (0 work without ping-pong)
+  S issue    issuing S_{j+1} = Q K_{j+1}^T's wgmmas   PV issue  issuing O += P_j V_j's
+  S wait     until S_{j+1} is done                    softmax   the modifiers, masks and softmax of S_{j+1}
+  PV wait    until P_j V_j is done                    tail      the rescale, P's conversion, the loop's top
+
+and the period (top to top), and how much of one warpgroup's softmax runs while the other's does too (the
+overlap FA3's ping-pong is meant to remove). The clock is the SM's; the stores add a few instructions per event.
+Writes DIR/loop_trace.md, .json and .png (matplotlib) and prints the table. Cases: bench.modifiers_bench's
+(causal, softcap, alibi, document, ...); N = --seqlen, B N = 16k tokens, hidden 2048, fp16.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("operands", "turn", "S issue", "PV issue", "S wait", "softmax", "PV wait")   # event e-1 -> e, e = 1..7
+
+
+def complete_rows(t: np.ndarray, wg: int) -> np.ndarray:
+    """The iterations of warpgroup wg that recorded every event (clock64 is never 0 on a running SM)."""
+    x = t[wg]
+    return x[(x != 0).all(axis=1)]
+
+
+def warpgroups(t: np.ndarray) -> list[int]:
+    return [c for c in range(t.shape[0]) if len(complete_rows(t, c))]
+
+
+def phase_medians(t: np.ndarray, wg: int) -> dict:
+    """Median clocks of each phase (PHASES, then tail) and the period of warpgroup wg's iterations."""
+    x = complete_rows(t, wg)
+    out = {"iterations": int(len(x))}
+    for e, name in enumerate(PHASES, start=1):
+        out[name] = float(np.median(x[:, e] - x[:, e - 1]))
+    out["tail"] = float(np.median(x[1:, 0] - x[:-1, 7])) if len(x) > 1 else float("nan")
+    out["period"] = float(np.median(np.diff(x[:, 0]))) if len(x) > 1 else float("nan")
+    return out
+
+
+def softmax_overlap(t: np.ndarray, a: int, b: int) -> float:
+    """The fraction of warpgroup a's softmax clocks (event 5 -> 6) during which warpgroup b is in its softmax."""
+    xa, xb = complete_rows(t, a), complete_rows(t, b)
+    a0, a1, b0, b1 = xa[:, 5], xa[:, 6], xb[:, 5], xb[:, 6]
+    both = np.clip(np.minimum(a1[:, None], b1[None, :]) - np.maximum(a0[:, None], b0[None, :]), 0, None).sum()
+    total = (a1 - a0).sum()
+    return float(both / total) if total else float("nan")
+
+
+def summarize(t: np.ndarray) -> list[dict]:
+    """One row per warpgroup: phase medians, and the softmax overlap with the next warpgroup (cyclically)."""
+    wgs = warpgroups(t)
+    rows = []
+    for i, c in enumerate(wgs):
+        row = {"warpgroup": c, **phase_medians(t, c)}
+        row["softmax overlap"] = softmax_overlap(t, c, wgs[(i + 1) % len(wgs)]) if len(wgs) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def markdown(results: list[dict]) -> str:
+    cols = ["period", *PHASES, "tail"]
+    lines = ["| case | config | wg | iterations | " + " | ".join(cols) + " | softmax beside another's |",
+             "|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    for r in results:
+        for w in r["warpgroups"]:
+            lines.append(f"| {r['case']} | {r['config'] or 'default'} | {w['warpgroup']} | {w['iterations']} | "
+                         + " | ".join(f"{w[c]:.0f}" for c in cols) + f" | {w['softmax overlap']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], traces: list[np.ndarray], path: Path, iterations: int = 8) -> bool:
+    """A timeline per case: each warpgroup's GEMM issue (blue), waits (grey) and softmax (orange) for the first
+    iterations. False where matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.3 + 0.9 * len(results)), squeeze=False)
+    for ax, r, t in zip(axes[:, 0], results, traces):
+        wgs = warpgroups(t)
+        start = min(complete_rows(t, c)[0, 0] for c in wgs)
+        for y, c in enumerate(wgs):
+            x = complete_rows(t, c)[:iterations] - start
+            spans = {"issue": (2, 4, "tab:blue"), "wait": (4, 5, "0.7"), "softmax": (5, 6, "tab:orange"),
+                     "operands": (0, 2, "0.85"), "pv wait": (6, 7, "0.7")}
+            for label, (e0, e1, colour) in spans.items():
+                ax.broken_barh([(a, b - a) for a, b in zip(x[:, e0], x[:, e1])], (y - 0.35, 0.7), color=colour,
+                               label=label if y == 0 else None)
+        ax.set_yticks(range(len(wgs)), [f"wg {c}" for c in wgs])
+        ax.set_title(f"{r['case']}, {r['config'] or 'default'} (d = {r['d']}, N = {r['N']})", fontsize=9)
+    axes[-1, 0].set_xlabel("SM clocks from block 0's first traced iteration")
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _params(text: str) -> dict:
+    """'pingpong=true,stages=3' -> {'pingpong': True, 'stages': 3}."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            raise SystemExit(f"error: config item {item!r} is not name=value")
+        k, v = item.split("=", 1)
+        out[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+    return out
+
+
+def run(d: int, N: int, case: str, config: str):
+    """Trace one fa3 forward (after warm-up launches); returns the trace array."""
+    import cupy as cp
+    import sandbox
+    from variants import fa3_ws
+    from .modifiers_bench import modifier_options
+    B, H = max(1, 16384 // N), 2048 // d
+    g = cp.random.default_rng(0)
+    q, k, v = (g.standard_normal((B, H, N, d), dtype=cp.float32).astype(cp.float16) for _ in range(3))
+    params = {**_params(config), "trace": True}
+    opts = modifier_options(case, H, N)
+    for _ in range(2):
+        sandbox.forward(q, k, v, variant="fa3", **params, **opts)
+    cp.cuda.Device().synchronize()
+    fa3_ws.clear_traces()
+    sandbox.forward(q, k, v, variant="fa3", **params, **opts)
+    return fa3_ws.read_trace()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.loop_trace", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--headdim", default="128", help="comma-separated head dims (64, 128)")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--cases", default="causal,softcap", help="bench.modifiers_bench cases")
+    ap.add_argument("--configs", default=";pingpong=true", help="';'-separated fa3 configs (name=value,...)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, traces = [], []
+    for d in (int(x) for x in args.headdim.split(",")):
+        for case in args.cases.split(","):
+            for config in args.configs.split(";"):
+                t = run(d, args.seqlen, case, config)
+                rows = summarize(t)
+                results.append({"d": d, "N": args.seqlen, "case": case, "config": config, "warpgroups": rows})
+                traces.append(t)
+                print(f"d={d} {case} {config or 'default'}: period "
+                      + ", ".join(f"wg{w['warpgroup']} {w['period']:.0f}" for w in rows) + " clk", flush=True)
+    from .common import stamp, stamp_line
+    meta, table = stamp(), markdown(results)
+    (out / "loop_trace.md").write_text(f"# fa3 loop trace (median SM clocks per iteration)\n\n{stamp_line(meta)}\n\n{table}\n")
+    (out / "loop_trace.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    if not plot(results, traces, out / "loop_trace.png"):
+        print("matplotlib not installed: no loop_trace.png", file=sys.stderr)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

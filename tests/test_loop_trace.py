@@ -1,0 +1,102 @@
+"""fa3's loop trace (trace=True, kernels_cu/fa3_ws.cu FA_TRACE; bench/loop_trace.py): the phase arithmetic on a
+made-up trace, the traced build (CPU, NVRTC), and on the GPU that tracing changes no result and records every
+iteration of block 0's walk in order."""
+import numpy as np
+import pytest
+
+import sandbox
+from bench import loop_trace
+from variants import fa3_ws
+
+
+def _trace(starts, phases, tail, iterations):
+    """[3, 512, 8] clocks: warpgroup c's iteration i starts at 1000 + starts[c] + i * period (a clock of 0 means
+    "not recorded"), its phases (PHASES order) last `phases`, then `tail` clocks to the next top."""
+    t = np.zeros(fa3_ws.TRACE_SHAPE, np.int64)
+    period = sum(phases) + tail
+    for c, s0 in enumerate(starts):
+        for i in range(iterations):
+            t[c, i] = 1000 + s0 + i * period + np.concatenate([[0], np.cumsum(phases)])
+    return t
+
+
+def test_phase_medians_and_period_of_a_made_up_trace():
+    phases = (100, 0, 400, 300, 50, 1000, 20)
+    t = _trace([0, 1870 // 2], phases, tail=0, iterations=6)
+    rows = loop_trace.summarize(t)
+    assert [r["warpgroup"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["iterations"] == 6
+        assert [r[p] for p in loop_trace.PHASES] == list(phases)
+        assert r["period"] == sum(phases) and r["tail"] == 0
+
+
+def test_softmax_overlap_is_the_shared_fraction():
+    # softmax = event 5 -> 6: 1000 clocks from 850 clocks into each 1870-clock period
+    phases = (100, 0, 400, 300, 50, 1000, 20)
+    same = _trace([0, 0], phases, tail=0, iterations=4)
+    assert loop_trace.softmax_overlap(same, 0, 1) == pytest.approx(1.0)
+    half = _trace([0, 500], phases, tail=0, iterations=4)      # wg 1 500 clocks later: 500 of 1000 shared
+    # each of wg 0's softmax intervals shares 500 clocks with wg 1's same iteration and none with another
+    assert loop_trace.softmax_overlap(half, 0, 1) == pytest.approx(0.5)
+    # half a period apart (+100): wg 0's softmax i shares 1015 - 850 = 165 clocks with wg 1's softmax i - 1 (a
+    # softmax longer than half the period always meets the other's), iteration 0 none
+    apart = _trace([0, 1870 // 2 + 100], phases, tail=0, iterations=4)
+    assert loop_trace.softmax_overlap(apart, 0, 1) == pytest.approx(3 * 165 / 4000)
+
+
+def test_incomplete_rows_are_left_out():
+    t = _trace([0, 0], (1, 1, 1, 1, 1, 1, 1), tail=3, iterations=5)
+    t[1, 4, 6:] = 0                                           # wg 1's last iteration stopped before its end
+    assert [r["iterations"] for r in loop_trace.summarize(t)] == [5, 4]
+    assert "| causal | default | 0 | 5 |" in loop_trace.markdown(
+        [{"case": "causal", "config": "", "warpgroups": loop_trace.summarize(t)}])
+
+
+def test_config_items_parse():
+    assert loop_trace._params("pingpong=true,stages=3,consumers=2") == {"pingpong": True, "stages": 3, "consumers": 2}
+    assert loop_trace._params("") == {}
+    with pytest.raises(SystemExit):
+        loop_trace._params("pingpong")
+
+
+def test_trace_is_an_fa3_parameter_that_adds_the_switch_only_when_on():
+    on, off = sandbox.get_variant("fa3", trace=True).config, sandbox.get_variant("fa3").config
+    assert "-DFA_TRACE" in on.unit("float16", 128).options and "trace" in on.unit("float16", 128).label
+    assert "-DFA_TRACE" not in off.unit("float16", 128).options
+    with pytest.raises((ValueError, TypeError)):
+        sandbox.get_variant("fa3-ws", trace=True)                 # fa3-ws has no overlapped loop to trace
+
+
+def test_traced_build_compiles_without_spills():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from sandbox import loader
+    u = sandbox.get_variant("fa3", trace=True).config.unit("float16", 128)
+    name = u.names[0]
+    job = loader.CompileUnit(u.source, (name,), tuple(u.options), {name: u.dynamic_smem[name]}, u.label, tuple(u.archs))
+    (r,) = loader.reports(job, loader.build(job, "sm_90"))
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "softcap"])
+def test_gpu_trace_records_block_zeros_walk_and_changes_no_result(case):
+    """N = 1024 causal, Br = Bc = 128, non-persistent: block 0 runs the last Q tile (rows 896..1023), 8 K tiles,
+    so the overlapped loop (after the prologue's tile) runs 7 iterations per warpgroup, each event in order."""
+    cp = pytest.importorskip("cupy")
+    from bench.modifiers_bench import modifier_options
+    g = cp.random.default_rng(3)
+    q, k, v = (g.standard_normal((2, 4, 1024, 64), dtype=cp.float32).astype(cp.float16) for _ in range(3))
+    opts = modifier_options(case, 4, 1024)
+    cfg = dict(consumers=2, persistent=False)
+    plain = sandbox.forward(q, k, v, variant="fa3", **cfg, **opts)
+    sandbox.forward(q, k, v, variant="fa3", trace=True, **cfg, **opts)       # loads the traced module
+    fa3_ws.clear_traces()
+    traced = sandbox.forward(q, k, v, variant="fa3", trace=True, **cfg, **opts)
+    t = fa3_ws.read_trace()
+    assert cp.array_equal(plain.out, traced.out) and cp.array_equal(plain.lse, traced.lse)
+    for c in (0, 1):
+        rows = loop_trace.complete_rows(t, c)
+        assert len(rows) == 7 and not t[c, 7:].any()
+        assert (np.diff(rows, axis=1) >= 0).all() and (np.diff(rows[:, 0]) > 0).all()
+    assert not t[2].any()
