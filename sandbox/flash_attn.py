@@ -25,8 +25,9 @@ refused with a ValueError naming the argument rather than ignored: return_attn_p
 varlen and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
 dropout (sandbox/varlen.py says why). The varlen function takes cu_seqlens on the GPU, as flash-attn's
 callers pass them: the single-launch forward (fa2-tc, CUDA fp16 / bf16, d <= 128) reads them in place
-without waiting; the per-sequence path and the backward copy them to the host, which waits for the
-caller's stream.
+without waiting; so does the backward where cu_seqlens_q and cu_seqlens_k are one array (packed
+self-attention: one call under a document mask). The per-sequence path and the backward of different query and
+key offsets copy them to the host, which waits for the caller's stream.
 """
 from __future__ import annotations
 

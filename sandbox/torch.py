@@ -286,8 +286,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
                      causal=False, scale=None, window=None, return_lse=False, **params):
     """Attention over packed sequences in flash-attn's varlen layout, differentiable: q (total_q, Hq, d),
     k and v (total_k, Hkv, d), cu_seqlens_q / cu_seqlens_k offsets (S + 1) on the host, or on the GPU (the
-    single launch's forward reads them there with no wait when max_seqlen_q is given; the backward copies them
-    to the host, a wait: sandbox/varlen.py). Returns out like q, or
+    single launch's forward reads them there with no wait when max_seqlen_q is given; the backward of packed
+    self-attention, one offsets array for both, runs as one call under a document mask made on the device, no
+    wait; other GPU offsets are copied to the host, a wait: sandbox/varlen.py). Returns out like q, or
     with return_lse=True (out, lse), lse (Hq, total_q) float32 (flash-attn's varlen layout; no gradient).
     Every option applies within each sequence (sandbox/varlen.py: one launch for the batch with fa2-tc's
     kernel on CUDA fp16 / bf16, else one per sequence, `single_launch=False` forcing that; the backward per

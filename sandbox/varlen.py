@@ -24,8 +24,10 @@ How, two paths:
   sequence, on zero-copy (1, H, n, d) views of the packed arrays (the kernels take any strides with
   unit stride along d), results copied into the packed outputs, every launch on the caller's stream.
   The host cost and the launches grow with the number of sequences. `single_launch=False` forces it.
-The backward is per sequence on both paths (the explicit-form backward of each sequence with its
-rows of out and lse: the single launch's out and lse are the same arrays, laid out the same).
+The backward: packed self-attention with its offsets on the GPU (cu_seqlens_q and cu_seqlens_k one array, as
+flash-attn's callers pass them for it) is one backward over the packed rows under a document mask made on the
+device (`_backward_document`: no wait); every other call is per sequence (the explicit-form backward of each
+sequence with its rows of out and lse: the single launch's out and lse are the same arrays, laid out the same).
 cu_seqlens on the host (lists, NumPy arrays, CPU tensors) are checked there (from 0 to the packed length,
 non-decreasing, max_seqlen at least the longest). On the GPU (int32 / int64, as flash-attn's callers keep
 them), with max_seqlen_q given, the single-launch forward reads them in place and never waits: a small kernel
@@ -36,7 +38,7 @@ offsets decrease, leave the packed array or reach back into an earlier sequence 
 are clamped into the array) and sets to NaN the rows no block writes (such a sequence's, those of a
 sequence longer than max_seqlen_q, those outside cu_seqlens_q[0] .. cu_seqlens_q[-1]): every output row
 is a valid sequence's result or NaN, so a broken contract shows, and nothing is read or written outside
-the arrays. Every other use of GPU offsets (the per-sequence path, the backward) copies them to the host,
+the arrays. Every other use of GPU offsets (the per-sequence path, the backward of different offsets) copies them to the host,
 which waits for the caller's stream.
 
 Known gap: dropout. The RNG contract keys an element by (batch, head, row, column) with the batch
@@ -345,17 +347,19 @@ def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k
 
 def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None,
              variant=None, causal=False, scale=None, dropout_p=0.0, window=None, single_launch=True, **params):
-    """(dq, dk, dv) like q, k, v: the explicit-form backward of each sequence with its out and lse (from
-    either forward path: the same layout). single_launch: the forward's switch, unused here."""
+    """(dq, dk, dv) like q, k, v, from either forward path's out and lse (the same layout): with one GPU offsets
+    array for queries and keys, one backward under a document mask made on the device (no wait; module
+    docstring), else the explicit-form backward of each sequence. single_launch=False: always per sequence."""
+    variant = default_variant(q, params) if variant is None else variant
+    if single_launch and dropout_p == 0 and _one_offsets_array(q, cu_seqlens_q, cu_seqlens_k):
+        _check_arrays(q, k, v, dropout_p)
+        _check_device_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        _check_backward_shapes(dout, q, out, lse)
+        if _document_variant(q, k, v, variant, params):
+            return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, variant, causal, scale, window, params)
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
-    variant = default_variant(q, params) if variant is None else variant
-    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
-        raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
-                         f"{tuple(out.shape)}")
-    if tuple(lse.shape) != (q.shape[1], q.shape[0]) or dtype_name(lse) != "float32":
-        raise ValueError(f"lse must be float32 (Hq, total_q) = {(q.shape[1], q.shape[0])}; got {dtype_name(lse)} "
-                         f"{tuple(lse.shape)}")
+    _check_backward_shapes(dout, q, out, lse)
     if scale is None:
         scale = 1.0 / float(np.sqrt(q.shape[2]))
     dq, dk, dv = _empty(q, tuple(q.shape)), _empty(k, tuple(k.shape)), _empty(v, tuple(v.shape))
@@ -374,3 +378,85 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
         _put(dk, c, e, g[1])
         _put(dv, c, e, g[2])
     return dq, dk, dv
+
+
+def _check_backward_shapes(dout, q, out, lse) -> None:
+    if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
+                         f"{tuple(out.shape)}")
+    if tuple(lse.shape) != (q.shape[1], q.shape[0]) or dtype_name(lse) != "float32":
+        raise ValueError(f"lse must be float32 (Hq, total_q) = {(q.shape[1], q.shape[0])}; got {dtype_name(lse)} "
+                         f"{tuple(lse.shape)}")
+
+
+# ---- the backward of packed self-attention with its offsets on the GPU: one call under a document mask
+
+def _one_offsets_array(q, cu_q, cu_k) -> bool:
+    """Whether cu_seqlens_q and cu_seqlens_k are one GPU array (the same memory, type, length and strides) on q's
+    device: packed self-attention as flash-attn's callers pass it (transformers' padding-free batches). Decided
+    from the arrays' descriptions; their values stay unread."""
+    if not (on_device(cu_q) and on_device(cu_k)) or not _same_device(q, cu_q, cu_k):
+        return False
+    if tuple(cu_q.shape) != tuple(cu_k.shape) or dtype_name(cu_q) != dtype_name(cu_k):
+        return False
+    if arrays.kind_of(cu_q) == "torch":
+        return cu_q.data_ptr() == cu_k.data_ptr() and cu_q.stride() == cu_k.stride()
+    return cu_q.data.ptr == cu_k.data.ptr and cu_q.strides == cu_k.strides
+
+
+def _document_variant(q, k, v, variant, params) -> bool:
+    """Whether the document-mask backward takes the call: no modifier or block mask of the caller's (the document
+    mask is the call's one mask modifier), CUDA arrays, and a variant whose backward takes mask modifiers."""
+    from .registry import get_variant
+    if any(params.get(key) is not None for key in ("block_mask", "score_mod", "mask_mod")):
+        return False
+    if any(arrays.kind_of(x) not in ("cupy", "torch") for x in (q, k, v)):
+        return False
+    rest = {key: val for key, val in params.items() if key not in ("block_mask", "score_mod", "mask_mod", "seed", "offset")}
+    caps = get_variant(variant, **rest).caps
+    return bool(caps.backward and caps.mask_mod)
+
+
+def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, window, params):
+    """(dq, dk, dv) of packed self-attention (one offsets array for queries and keys) with the offsets on the GPU,
+    unread on the host (no wait): one backward over the packed rows as a single sequence, under a document mask
+    whose per-token ids are made from the offsets on the device (token t of sequence s: id s, by a binary search).
+    Within a sequence the packed positions differ from the sequence's own by one offset, for queries and keys
+    alike, so causal and window mean what they mean per sequence; other sequences' tiles are skipped by the mask's
+    tile table (made on the GPU, variants/mask_tiles.py). Tokens outside cu[0] .. cu[S] get id -1 as queries and
+    -2 as keys: they see nothing and nothing sees them (zero gradients), and their lse is taken as a dead row's
+    (-inf: the forward's device path wrote NaN there, which must not reach the other rows' sums)."""
+    from . import modifiers
+    kind = arrays.kind_of(q)
+    with arrays.caller_stream(q):
+        import cupy as cp
+        c = arrays.to_device(cu, "cu_seqlens_q")
+
+        def ids(n, outside_id):
+            t = cp.arange(n, dtype=c.dtype)
+            inside = (t >= c[0]) & (t < c[-1])
+            return cp.where(inside, cp.searchsorted(c[1:], t, side="right"), outside_id).astype(cp.int32)
+        q_ids, k_ids = ids(q.shape[0], -1), ids(k.shape[0], -2)
+        rows = q_ids >= 0
+        # an outside row's out (the device forward's NaN) and dout must not enter D = rowsum(dO o O): its P is 0,
+        # but 0 (dP - D) is NaN for a NaN D, and dK sums that row's dS into every key of its tiles
+        lse_c = cp.where(rows[None, :], arrays.to_device(lse, "lse"), cp.float32(-cp.inf))
+        def rows_only(x, nm):        # on the bit patterns (CuPy has no bf16 arithmetic): +0's are all zero
+            xc = arrays.to_device(x, nm)
+            bits = xc.view(f"uint{8 * xc.dtype.itemsize}")
+            return arrays.like(cp.where(rows[:, None, None], bits, bits.dtype.type(0)).view(xc.dtype), kind)
+        out_c, dout_c = rows_only(out, "out"), rows_only(dout, "dout")
+        mask = modifiers.document(q_ids, k_ids)
+        nq, nk = q.shape[0], k.shape[0]
+        g = api.backward(_view(dout_c, 0, nq), q=_view(q, 0, nq), k=_view(k, 0, nk), v=_view(v, 0, nk),
+                         out=_view(out_c, 0, nq), lse=arrays.like(lse_c, kind)[None], variant=variant, causal=causal,
+                         scale=scale, window=window, mask_mod=mask, **params)
+    return tuple(_packed(x) for x in g)
+
+
+def _packed(x):
+    """A (1, H, n, d) result as a C-contiguous packed (n, H, d) array (a view where it already is one)."""
+    if arrays.kind_of(x) == "torch":
+        return x[0].permute(1, 0, 2).contiguous()
+    import cupy as cp
+    return cp.ascontiguousarray(x[0].transpose(1, 0, 2))

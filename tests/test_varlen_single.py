@@ -361,3 +361,93 @@ def test_device_offsets_that_break_the_contract_show_as_nan_and_stay_in_bounds()
     assert torch.equal(o, one_o) and torch.equal(l_, one_l)
     with pytest.raises(ValueError, match="contiguous"):
         varlen.forward(q, k, v, torch.tensor(CU_Q * 2, dtype=torch.int32, device="cuda")[::2], ck, 400, 400)
+
+
+# ---- GPU: the backward of packed self-attention with device offsets (one call under a document mask, no wait)
+
+CU_SELF = [3, 8, 8, 9, 143, 303, 304]      # lengths 5, 0, 1, 134, 160, 1; rows 0..2 and 304..319 outside
+SELF_TOTAL = 320
+CU_SELF_HOST = [0, *CU_SELF, SELF_TOTAL]    # host offsets cover the array: the outside rows as two more sequences
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_self_attention_backward_with_device_offsets_matches_the_per_sequence_one(dtype, monkeypatch):
+    """cu_seqlens_q and cu_seqlens_k one CUDA array: the backward is one call under a document mask whose ids are
+    made on the device (the offsets never reach the host: _lengths fails the test), with the per-sequence
+    backward's gradients (host offsets); rows outside cu[0] .. cu[S], NaN in the device forward's out and lse, get
+    zero gradients and leave every other gradient finite. int32 and int64 offsets, torch and CuPy arrays."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t = getattr(torch, dtype)
+    longest = _lens_max(CU_SELF)
+    inside = torch.zeros(SELF_TOTAL, dtype=torch.bool, device="cuda")
+    inside[CU_SELF[0]:CU_SELF[-1]] = True
+    for opts, d, hq, hkv in [({"causal": True}, 64, 4, 2), ({}, 128, 4, 4), ({"causal": True, "window": (17, 3)}, 64, 2, 1)]:
+        q, k, v, dout = (torch.randn(SELF_TOTAL, h, d, device="cuda", generator=g).to(t) for h in (hq, hkv, hkv, hq))
+        out, lse = varlen.forward(q, k, v, CU_SELF_HOST, CU_SELF_HOST, **opts)
+        want = varlen.backward(dout, q, k, v, out, lse, CU_SELF_HOST, CU_SELF_HOST, **opts)
+        for it in (torch.int32, torch.int64):
+            cu = torch.tensor(CU_SELF, dtype=it, device="cuda")
+            out_d, lse_d = varlen.forward(q, k, v, cu, cu, longest, longest, **opts)
+            assert torch.isnan(out_d[~inside]).all()                    # the device forward's outside rows
+            with monkeypatch.context() as m:
+                m.setattr(varlen, "_lengths", lambda *a: pytest.fail("GPU offsets were copied to the host"))
+                got = varlen.backward(dout, q, k, v, out_d, lse_d, cu, cu, longest, longest, **opts)
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
+                assert torch.isfinite(a).all(), (opts, it)
+                assert not a[~inside].any(), (opts, it)                  # outside rows: zero
+                torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
+        if dtype == "float16":                 # CuPy arrays take the same route
+            cu = cp.asarray(CU_SELF, dtype=cp.int32)
+            qc, kc, vc, dc = (cp.asarray(x) for x in (q, k, v, dout))
+            oc, lc = varlen.forward(qc, kc, vc, cu, cu, longest, longest, **opts)
+            with monkeypatch.context() as m:
+                m.setattr(varlen, "_lengths", lambda *a: pytest.fail("GPU offsets were copied to the host"))
+                got = varlen.backward(dc, qc, kc, vc, oc, lc, cu, cu, longest, longest, **opts)
+            rows = inside.cpu().numpy()
+            for a, b in zip(got, want):
+                np.testing.assert_allclose(_np(a)[rows], _np(b)[rows], rtol=2e-2, atol=2e-2)
+                assert not _np(a)[~rows].any()
+
+
+@pytest.mark.gpu
+def test_self_attention_backward_with_device_offsets_waits_for_nothing():
+    """Offsets written on a side stream behind ~0.1 s of work, one array for queries and keys: forward and backward
+    (through sandbox.torch's autograd) return while the stream is still busy, with the quiet call's gradients.
+    Two equal arrays (not one) take the per-sequence backward, which waits."""
+    torch = pytest.importorskip("torch")
+    import sandbox.torch as st
+    cu = [0, 300, 301, 1000, 1700]
+    q0, k0, v0 = _torch_packed(cu, cu, 8, 2, 128, "bfloat16", seed=12)
+    base = torch.tensor(cu, dtype=torch.int32, device="cuda")
+
+    def step(offsets, offsets_k=None):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        out = st.varlen_attention(q, k, v, offsets, offsets if offsets_k is None else offsets_k, 700, 700, causal=True)
+        out.backward(torch.ones_like(out))
+        return q.grad, k.grad, v.grad
+
+    want = step(cu)
+    step(base)                                                     # every module and table kernel loaded
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        cu_dev = torch.zeros_like(base)
+        step(base)                                                 # the side stream's pools warm
+        torch.cuda._sleep(200_000_000)
+        cu_dev.copy_(base)
+        got = step(cu_dev)
+        busy = not side.query()
+    side.synchronize()
+    assert busy, "the forward or the backward waited for the stream"
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        step(base, base.clone())                                   # two arrays: the per-sequence backward
+        busy = not side.query()
+    side.synchronize()
+    assert not busy, "two offsets arrays were expected to take the per-sequence backward (a host copy)"
