@@ -17,6 +17,7 @@ torch.bfloat16: zero-copy both ways.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import numpy as np
@@ -218,13 +219,28 @@ def to_float32(x, xp):
 
 
 def from_float32(x, dtype, xp):
-    """float32 x rounded to nearest even in `dtype`; bfloat16 through the bit pattern (NaN stays NaN)."""
+    """float32 x rounded to nearest even in `dtype`; bfloat16 through the bit pattern (NaN stays NaN). On the GPU
+    one elementwise kernel (the NumPy form's seven array operations were seven launches and passes: 0.8 ms for a
+    16k-token dQ on the H100)."""
     if str(dtype) != "bfloat16":
         return x.astype(dtype)
+    if xp.__name__ == "cupy":
+        return _bf16_round()(xp.ascontiguousarray(x, dtype=xp.float32)).view(dtype)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
     r = xp.where(xp.isnan(x), xp.uint16(0x7FC0), r)
     return r.view(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_round():
+    """from_float32's rounding as one CuPy elementwise kernel: float32 -> bfloat16 bits, nearest even, NaN 0x7FC0."""
+    import cupy as cp
+    return cp.ElementwiseKernel(
+        "float32 x", "uint16 y",
+        "const unsigned int u = __float_as_uint(x);"
+        "y = isnan(x) ? (unsigned short)0x7FC0 : (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);",
+        "sandbox_round_to_bf16")
 
 
 def negate(x, xp):

@@ -411,6 +411,11 @@ class MaskMod:
     buffers: dict = dataclasses.field(default_factory=dict)
     check: Callable | None = None
     params: dict = dataclasses.field(default_factory=dict)
+    # (this mask, problem, block_r, block_c, xp) -> int8 table [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] of band AND block
+    # mask AND this mask, for a mask that knows its tiles without testing every element (document(sorted_ids=True));
+    # it may call a tile PARTIAL that is EMPTY, FULL or TILE_BAND, never the other way round; None from it, or no
+    # function: variants/mask_tiles.py tests every element on the GPU.
+    tile_classes: Callable | None = None
 
     def __post_init__(self):
         _name(self.name, "MaskMod")
@@ -419,6 +424,7 @@ class MaskMod:
         _scalar_form(self.scalar, f"{where}: scalar")
         _text(self.cuda, f"{where}: cuda")
         _callable(self.check, f"{where}: check", optional=True)
+        _callable(self.tile_classes, f"{where}: tile_classes", optional=True)
         object.__setattr__(self, "buffers", _buffers(self.buffers, where))
 
     def __repr__(self):
@@ -656,10 +662,16 @@ def _document_scalar(b, h, i, j, q_ids, kv_ids):
     return q_ids[min(b, q_ids.shape[0] - 1), i] == kv_ids[min(b, kv_ids.shape[0] - 1), j]
 
 
-def document(seq_ids, kv_seq_ids=None) -> MaskMod:
+def document(seq_ids, kv_seq_ids=None, *, sorted_ids: bool = False) -> MaskMod:
     """Document (packed-sequence) mask: query i sees key j iff they carry the same sequence id.
     seq_ids: int (Nq,) or (B, Nq); kv_seq_ids: the keys' (default: seq_ids, for Nq == Nk). Ids on the GPU (a
-    torch CUDA tensor, a CuPy array) stay there (DeviceBuffer; int32 ids need no wait, wider ones one)."""
+    torch CUDA tensor, a CuPy array) stay there (DeviceBuffer; int32 ids need no wait, wider ones one).
+    sorted_ids=True promises ids that never decrease along the rows (packed sequences): a tile's class then comes
+    from its first and last query and key ids (_sorted_document_tiles), O(tiles) instead of a test of every
+    element; ids that do decrease would get wrong EMPTY tiles (silently missing scores), so the promise is the
+    caller's to keep (sandbox/varlen.py makes such ids from offsets)."""
+    if not isinstance(sorted_ids, bool):
+        raise TypeError(f"document: sorted_ids must be a bool, got {sorted_ids!r}")
     q_ids = _int_ids(seq_ids, "document: seq_ids")
     if kv_seq_ids is None and is_device_array(q_ids):     # one device copy (and int64 range check) for both roles
         q_ids = _device_buffer(q_ids, "document", "seq_ids")
@@ -675,7 +687,37 @@ def document(seq_ids, kv_seq_ids=None) -> MaskMod:
                    "kv_ids[min(b, kv_ids_shape0 - 1) * kv_ids_shape1 + j]",
                    buffers={"q_ids": q_ids, "kv_ids": kv_ids}, check=check,
                    params={"on": "device"} if not isinstance(q_ids, np.ndarray) else
-                   {"documents": int(len(np.unique(q_ids)))})
+                   {"documents": int(len(np.unique(q_ids)))},
+                   tile_classes=_sorted_document_tiles if sorted_ids else None)
+
+
+def _sorted_document_tiles(mask, p, block_r: int, block_c: int, xp):
+    """MaskMod.tile_classes of a document mask whose ids never decrease along the rows: [Bm, 1, nr, nc] int8, from
+    each tile's first and last query ids (qa, qb) and key ids (ka, kb). Disjoint ranges share no id: EMPTY. One id
+    throughout (qa == qb == ka == kb): every element is visible to the document mask, so the tile takes the band's
+    class, FULL, or TILE_BAND where the band cuts it (the kernels then test the band alone). Anything else is
+    PARTIAL (the element predicate decides), also where an empty sequence leaves a gap that the exact test would
+    call EMPTY. With a block mask: None (the element-wise classifier)."""
+    if p.block_mask is not None:
+        return None
+    from .masks import TILE_BAND, TILE_EMPTY, TILE_FULL, TILE_PARTIAL, classify_tiles
+    if xp is np:                                                          # [nr, nc]: the band's classes
+        band = classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band)[0]
+    else:
+        from .launch import tile_table
+        band = tile_table(p, block_r, block_c, xp)[0][0]
+
+    def ids(buf):
+        return buf.array if isinstance(buf, DeviceBuffer) else xp.asarray(buf)
+    q, k = ids(mask.buffers["q_ids"]), ids(mask.buffers["kv_ids"])
+    r0 = xp.arange(0, p.Nq, block_r)
+    c0 = xp.arange(0, p.Nk, block_c)
+    qa, qb = q[:, r0][:, :, None], q[:, xp.minimum(r0 + block_r, p.Nq) - 1][:, :, None]   # (Bq, nr, 1)
+    ka, kb = k[:, c0][:, None, :], k[:, xp.minimum(c0 + block_c, p.Nk) - 1][:, None, :]   # (Bk, 1, nc)
+    one = (qa == qb) & (ka == kb) & (qa == ka)
+    cls = xp.where((qb < ka) | (kb < qa) | (band == TILE_EMPTY), TILE_EMPTY,
+                   xp.where(one, xp.where(band == TILE_FULL, TILE_FULL, TILE_BAND), TILE_PARTIAL))
+    return xp.ascontiguousarray(cls.astype(xp.int8)[:, None])
 
 
 def _dense_np(b, h, i, j, allowed):

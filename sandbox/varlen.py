@@ -423,21 +423,25 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
     whose per-token ids are made from the offsets on the device (token t of sequence s: id s, by a binary search).
     Within a sequence the packed positions differ from the sequence's own by one offset, for queries and keys
     alike, so causal and window mean what they mean per sequence; other sequences' tiles are skipped by the mask's
-    tile table (made on the GPU, variants/mask_tiles.py). Tokens outside cu[0] .. cu[S] get id -1 as queries and
-    -2 as keys: they see nothing and nothing sees them (zero gradients), and their lse is taken as a dead row's
-    (-inf: the forward's device path wrote NaN there, which must not reach the other rows' sums)."""
+    tile table, made from each tile's first and last ids (the ids never decrease: document(sorted_ids=True), O(tiles)
+    where testing every element took 1.0 ms at 16k packed tokens on the H100). Tokens before cu[0] get id -1 as
+    queries and -2 as keys, those past cu[S] S and S + 1: they see nothing and nothing sees them (zero gradients),
+    and their lse is taken as a dead row's (-inf: the forward's device path wrote NaN there, which must not reach
+    the other rows' sums)."""
     from . import modifiers
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
         import cupy as cp
         c = arrays.to_device(cu, "cu_seqlens_q")
 
-        def ids(n, outside_id):
+        S = cu.shape[0] - 1
+
+        def ids(n, before, after):        # never decreasing along the rows (document(sorted_ids=True))
             t = cp.arange(n, dtype=c.dtype)
-            inside = (t >= c[0]) & (t < c[-1])
-            return cp.where(inside, cp.searchsorted(c[1:], t, side="right"), outside_id).astype(cp.int32)
-        q_ids, k_ids = ids(q.shape[0], -1), ids(k.shape[0], -2)
-        rows = q_ids >= 0
+            seq = cp.searchsorted(c[1:], t, side="right")
+            return cp.where(t < c[0], before, cp.where(t >= c[-1], after, seq)).astype(cp.int32)
+        q_ids, k_ids = ids(q.shape[0], -1, S), ids(k.shape[0], -2, S + 1)
+        rows = (q_ids >= 0) & (q_ids < S)
         # an outside row's out (the device forward's NaN) and dout must not enter D = rowsum(dO o O): its P is 0,
         # but 0 (dP - D) is NaN for a NaN D, and dK sums that row's dS into every key of its tiles
         lse_c = cp.where(rows[None, :], arrays.to_device(lse, "lse"), cp.float32(-cp.inf))
@@ -446,7 +450,7 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
             bits = xc.view(f"uint{8 * xc.dtype.itemsize}")
             return arrays.like(cp.where(rows[:, None, None], bits, bits.dtype.type(0)).view(xc.dtype), kind)
         out_c, dout_c = rows_only(out, "out"), rows_only(dout, "dout")
-        mask = modifiers.document(q_ids, k_ids)
+        mask = modifiers.document(q_ids, k_ids, sorted_ids=True)
         nq, nk = q.shape[0], k.shape[0]
         g = api.backward(_view(dout_c, 0, nq), q=_view(q, 0, nq), k=_view(k, 0, nk), v=_view(v, 0, nk),
                          out=_view(out_c, 0, nq), lse=arrays.like(lse_c, kind)[None], variant=variant, causal=causal,

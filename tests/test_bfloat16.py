@@ -34,6 +34,17 @@ def test_from_float32_rounds_to_nearest_even_like_the_oracle():
     assert np.array_equal(got[~np.isnan(ref)], x.astype(BF16).astype(np.float64)[~np.isnan(ref)])   # ml_dtypes agrees
 
 
+@pytest.mark.gpu
+def test_from_float32_on_the_gpu_is_the_host_forms_bits():
+    """The CuPy path's one-kernel rounding (arrays._bf16_round) gives the NumPy form's bits, ties, subnormals,
+    infinities and NaN included."""
+    cp = pytest.importorskip("cupy")
+    x = np.concatenate([values(), np.array([2.0**-130, -2.0**-140, 1.0 + 2.0**-8 + 2.0**-20], np.float32)])
+    got = arrays.from_float32(cp.asarray(x), BF16, cp)
+    assert got.dtype == BF16
+    assert np.array_equal(cp.asnumpy(got.view(cp.uint16)), arrays.from_float32(x, BF16, np).view(np.uint16))
+
+
 def test_to_float32_and_negate_are_exact():
     b = values().astype(BF16)
     assert np.array_equal(arrays.to_float32(b, np), b.astype(np.float32), equal_nan=True)

@@ -68,7 +68,80 @@ def test_classifier_builds_for_each_mask_modifier():
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 64, r
 
 
+def _sorted_vs_exact(ids_q, ids_k, B, Hq, br, bc, xp, **opts):
+    """(the sorted-ids tables of document(sorted_ids=True) (MaskMod.tile_classes) with xp, the exact host table)."""
+    from sandbox.problem import make_problem
+    Nq, Nk = ids_q.shape[-1], ids_k.shape[-1]
+    mm = M.document(ids_q, ids_k, sorted_ids=True)
+    p = make_problem(np.zeros((B, Hq, Nq, 8), np.float16), np.zeros((B, Hq, Nk, 8), np.float16),
+                     np.zeros((B, Hq, Nk, 8), np.float16), mask_mod=mm, **opts)
+    got = mm.tile_classes(mm, p, br, bc, xp)
+    exact = classify_tiles_mod(M.document(ids_q, ids_k), B, Hq, Nq, Nk, br, bc, p.band)
+    return (got if xp is np else xp.asnumpy(got)), exact
+
+
+def _check_sorted_tables(got, exact):
+    """Where the sorted-ids table is not PARTIAL it is the exact class, and every exact FULL tile is FULL in it."""
+    from sandbox.masks import TILE_FULL, TILE_PARTIAL
+    assert got.shape == exact.shape and got.dtype == np.int8
+    assert ((got == exact) | (got == TILE_PARTIAL)).all()
+    assert (got[exact == TILE_FULL] == TILE_FULL).all()
+
+
+def test_sorted_document_ids_give_tables_the_exact_test_agrees_with():
+    """document(sorted_ids=True): tile classes from each tile's first and last ids (O(tiles)); over random packed
+    layouts (empty sequences, ids outside every sequence at both ends as sandbox/varlen.py makes them, ragged
+    lengths, causal and windows), never a class the element-wise test contradicts, and never PARTIAL where that
+    test says FULL."""
+    from sandbox.masks import TILE_PARTIAL
+    rng = np.random.default_rng(5)
+    partial = total = 0
+    for case in range(60):
+        S = int(rng.integers(1, 8))
+        n = int(rng.integers(1, 500))
+        cu = np.concatenate([[0], np.sort(rng.integers(0, n + 1, S - 1)), [n]]) + int(rng.integers(0, 20))
+        t = np.arange(int(cu[-1]) + int(rng.integers(0, 30)))
+        seq = np.searchsorted(cu[1:], t, side="right")
+        q = np.where(t < cu[0], -1, np.where(t >= cu[-1], S, seq))
+        k = np.where(t < cu[0], -2, np.where(t >= cu[-1], S + 1, seq))
+        opts = [{}, {"causal": True}, {"window": (int(rng.integers(0, 200)), int(rng.integers(0, 50)))}][case % 3]
+        br, bc = [(64, 64), (128, 128), (192, 112), (16, 16)][case % 4]
+        got, exact = _sorted_vs_exact(q, k, 1, 2, br, bc, np, **opts)
+        _check_sorted_tables(got, exact)
+        partial += int((got == TILE_PARTIAL).sum() - (exact == TILE_PARTIAL).sum())
+        total += got.size
+    assert total > 1000 and partial < 0.2 * total        # conservative on few tiles (gaps, band-hidden pairs)
+
+
+def test_sorted_document_ids_per_batch_entry():
+    ids = np.sort(np.random.default_rng(6).integers(0, 4, (3, 200)), axis=1)
+    got, exact = _sorted_vs_exact(ids, ids, 3, 2, 64, 32, np, causal=True)
+    assert got.shape == (3, 1, 4, 7)
+    _check_sorted_tables(got, exact)
+    with pytest.raises(TypeError, match="sorted_ids"):
+        M.document(ids, sorted_ids=1)
+
+
 # ---- GPU
+
+@gpu
+def test_sorted_document_ids_on_the_gpu_through_the_device_classifier():
+    """device_classes takes MaskMod.tile_classes where a mask has one: the same tables from device ids."""
+    import cupy as cp
+    from sandbox.problem import make_problem
+    from variants.fa2_tc import _buffer_args
+    ids = np.repeat(np.arange(5), [0, 70, 1, 130, 99])[None]
+    dq = cp.asarray(np.concatenate([[-1] * 3, ids[0], [5] * 9])[None].astype(np.int32))
+    dk = cp.asarray(np.concatenate([[-2] * 3, ids[0], [6] * 9])[None].astype(np.int32))
+    for opts in ({}, {"causal": True}, {"window": (40, 3)}):
+        mm = M.document(dq, dk, sorted_ids=True)
+        N = dq.shape[1]
+        p = make_problem(np.zeros((1, 2, N, 8), np.float16), np.zeros((1, 2, N, 8), np.float16),
+                         np.zeros((1, 2, N, 8), np.float16), mask_mod=mm, **opts)
+        dev = cp.asnumpy(mask_tiles.device_classes(p, 64, 64, cp, lambda: _buffer_args(mm, cp)))
+        exact = classify_tiles_mod(M.document(cp.asnumpy(dq), cp.asnumpy(dk)), 1, 2, N, N, 64, 64, p.band)
+        _check_sorted_tables(dev, exact)
+
 
 def _both(mm, B, Hq, Nq, Nk, br, bc, causal=False, window=None, block_mask=None):
     """(device table, host table) of one problem."""

@@ -58,11 +58,17 @@ def device_classes(p, block_r: int, block_c: int, xp, buffer_args) -> np.ndarray
     per_mod = _TABLES.setdefault(mm, {})
     hit = None if capturing else per_mod.get(key)
     if hit is None:
-        Bm, Hm = extent(mm, p.B, p.Hq, p.block_mask)
-        hit = xp.empty((Bm, Hm, nr, nc), dtype=xp.int8)
-        launch(unit(mm), KERNEL, (nc * Bm * Hm, nr), (THREADS,),
-               (hit, i32(Hm), i32(p.Nq), i32(p.Nk), i32(block_r), i32(block_c), i32(nr), i32(nc), *mask_args(p, xp),
-                *buffer_args()))
+        if mm.tile_classes is not None:                  # a mask that knows its tiles (MaskMod.tile_classes)
+            hit = mm.tile_classes(mm, p, block_r, block_c, xp)
+            if hit is not None and (hit.shape[2:] != (nr, nc) or hit.dtype != xp.int8):
+                raise ValueError(f"mask_mod {mm.name!r}: tile_classes gave {hit.dtype} {hit.shape}; need int8 "
+                                 f"(Bm, Hm, {nr}, {nc})")
+        if hit is None:
+            Bm, Hm = extent(mm, p.B, p.Hq, p.block_mask)
+            hit = xp.empty((Bm, Hm, nr, nc), dtype=xp.int8)
+            launch(unit(mm), KERNEL, (nc * Bm * Hm, nr), (THREADS,),
+                   (hit, i32(Hm), i32(p.Nq), i32(p.Nk), i32(block_r), i32(block_c), i32(nr), i32(nc),
+                    *mask_args(p, xp), *buffer_args()))
         if not capturing:
             if len(per_mod) >= _MAX_PER_MOD:
                 per_mod.pop(next(iter(per_mod)))
