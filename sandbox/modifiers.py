@@ -69,6 +69,7 @@ buffer count), not per buffer values, so alibi(slopes) with new slopes reuses it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import math
@@ -691,6 +692,27 @@ def document(seq_ids, kv_seq_ids=None, *, sorted_ids: bool = False) -> MaskMod:
                    tile_classes=_sorted_document_tiles if sorted_ids else None)
 
 
+@functools.lru_cache(maxsize=None)
+def _sorted_tiles_kernel():
+    """_sorted_document_tiles's rule on the GPU: one thread per (batch entry, Q tile, K tile)."""
+    import cupy as cp
+    from .masks import TILE_BAND, TILE_EMPTY, TILE_FULL, TILE_PARTIAL
+    return cp.ElementwiseKernel(
+        "raw int32 q, raw int32 k, raw int8 band, int32 Nq, int32 Nk, int32 br, int32 bc, int32 nr, int32 nc, "
+        "int32 bq, int32 bk", "int8 cls",
+        f"""
+        const int tile = (int)(i % (nr * nc)), b = (int)(i / (nr * nc)), tr = tile / nc, tc = tile % nc;
+        const int* qr = &q[(long long)(bq == 1 ? 0 : b) * Nq];
+        const int* kr = &k[(long long)(bk == 1 ? 0 : b) * Nk];
+        const int qa = qr[tr * br], qb = qr[min(tr * br + br, Nq) - 1];
+        const int ka = kr[tc * bc], kb = kr[min(tc * bc + bc, Nk) - 1];
+        const signed char bd = band[tile];
+        if (qb < ka || kb < qa || bd == {TILE_EMPTY}) cls = {TILE_EMPTY};
+        else if (qa == qb && ka == kb && qa == ka) cls = bd == {TILE_FULL} ? {TILE_FULL} : {TILE_BAND};
+        else cls = {TILE_PARTIAL};
+        """, "sandbox_sorted_document_tiles")
+
+
 def _sorted_document_tiles(mask, p, block_r: int, block_c: int, xp):
     """MaskMod.tile_classes of a document mask whose ids never decrease along the rows: [Bm, 1, nr, nc] int8, from
     each tile's first and last query ids (qa, qb) and key ids (ka, kb). Disjoint ranges share no id: EMPTY. One id
@@ -710,6 +732,15 @@ def _sorted_document_tiles(mask, p, block_r: int, block_c: int, xp):
     def ids(buf):
         return buf.array if isinstance(buf, DeviceBuffer) else xp.asarray(buf)
     q, k = ids(mask.buffers["q_ids"]), ids(mask.buffers["kv_ids"])
+    if xp is not np:                     # the same rule as one elementwise kernel (one launch instead of ~25)
+        nr, nc = band.shape
+        Bm = max(q.shape[0], k.shape[0])
+        q, k = (xp.ascontiguousarray(x, dtype=xp.int32) for x in (q, k))
+        out = xp.empty((Bm, 1, nr, nc), dtype=xp.int8)
+        _sorted_tiles_kernel()(q, k, xp.ascontiguousarray(band), np.int32(p.Nq), np.int32(p.Nk), np.int32(block_r),
+                               np.int32(block_c), np.int32(nr), np.int32(nc), np.int32(q.shape[0]),
+                               np.int32(k.shape[0]), out)
+        return out
     r0 = xp.arange(0, p.Nq, block_r)
     c0 = xp.arange(0, p.Nk, block_c)
     qa, qb = q[:, r0][:, :, None], q[:, xp.minimum(r0 + block_r, p.Nq) - 1][:, :, None]   # (Bq, nr, 1)

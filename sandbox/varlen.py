@@ -47,6 +47,8 @@ replay another sequence's mask. dropout_p > 0 is refused with a ValueError.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import api, arrays
@@ -435,11 +437,10 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
         c = arrays.to_device(cu, "cu_seqlens_q")
 
         S = cu.shape[0] - 1
+        kernel = _document_ids_kernel()
 
         def ids(n, before, after):        # never decreasing along the rows (document(sorted_ids=True))
-            t = cp.arange(n, dtype=c.dtype)
-            seq = cp.searchsorted(c[1:], t, side="right")
-            return cp.where(t < c[0], before, cp.where(t >= c[-1], after, seq)).astype(cp.int32)
+            return kernel(c, np.int32(S), np.int32(before), np.int32(after), size=n)
         q_ids, k_ids = ids(q.shape[0], -1, S), ids(k.shape[0], -2, S + 1)
         rows = (q_ids >= 0) & (q_ids < S)
         # an outside row's out (the device forward's NaN) and dout must not enter D = rowsum(dO o O): its P is 0,
@@ -456,6 +457,25 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
                          out=_view(out_c, 0, nq), lse=arrays.like(lse_c, kind)[None], variant=variant, causal=causal,
                          scale=scale, window=window, mask_mod=mask, **params)
     return tuple(_packed(x) for x in g)
+
+
+@functools.lru_cache(maxsize=None)
+def _document_ids_kernel():
+    """Token t's id from S + 1 offsets c (int32 or int64): `before` below c[0], `after` from c[S], else the s with
+    c[s] <= t < c[s + 1], by binary search for the first c[p] > t (numpy.searchsorted(c[1:], t, "right"))."""
+    import cupy as cp
+    return cp.ElementwiseKernel(
+        "raw T c, int32 S, int32 before, int32 after", "int32 id",
+        """
+        const long long t = i;
+        if (t < (long long)c[0]) id = before;
+        else if (t >= (long long)c[S]) id = after;
+        else {
+            int lo = 1, hi = S;                              // the first p in [1, S] with c[p] > t (c[S] > t)
+            while (lo < hi) { const int mid = (lo + hi) / 2; if ((long long)c[mid] > t) hi = mid; else lo = mid + 1; }
+            id = lo - 1;
+        }
+        """, "sandbox_document_ids")
 
 
 def _packed(x):

@@ -451,3 +451,21 @@ def test_self_attention_backward_with_device_offsets_waits_for_nothing():
         busy = not side.query()
     side.synchronize()
     assert not busy, "two offsets arrays were expected to take the per-sequence backward (a host copy)"
+
+
+@pytest.mark.gpu
+def test_document_ids_from_device_offsets():
+    """The ids kernel of the document backward gives numpy's searchsorted ids inside cu[0] .. cu[S] and the outside
+    ids elsewhere (empty sequences, int32 and int64 offsets, S = 1)."""
+    import cupy as cp
+    rng = np.random.default_rng(8)
+    for case in range(40):
+        S = int(rng.integers(1, 9))
+        n = int(rng.integers(0, 400))
+        cu = np.concatenate([[0], np.sort(rng.integers(0, n + 1, S - 1)), [n]]) + int(rng.integers(0, 9))
+        total = int(cu[-1]) + int(rng.integers(0, 9))
+        t = np.arange(total)
+        want = np.where(t < cu[0], -1, np.where(t >= cu[-1], S, np.searchsorted(cu[1:], t, side="right")))
+        c = cp.asarray(cu, dtype=cp.int64 if case % 2 else cp.int32)
+        got = varlen._document_ids_kernel()(c, np.int32(S), np.int32(-1), np.int32(S), size=total)
+        assert got.dtype == cp.int32 and np.array_equal(cp.asnumpy(got), want), (cu, total)
