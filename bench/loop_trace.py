@@ -67,11 +67,12 @@ def summarize(t: np.ndarray) -> list[dict]:
 
 def markdown(results: list[dict]) -> str:
     cols = ["period", *PHASES, "tail"]
-    lines = ["| case | config | wg | iterations | " + " | ".join(cols) + " | softmax beside another's |",
-             "|---|---|---|---|" + "---|" * len(cols) + "---|"]
+    lines = ["| d | N | case | config | wg | iterations | " + " | ".join(cols) + " | softmax beside another's |",
+             "|---|---|---|---|---|---|" + "---|" * len(cols) + "---|"]
     for r in results:
         for w in r["warpgroups"]:
-            lines.append(f"| {r['case']} | {r['config'] or 'default'} | {w['warpgroup']} | {w['iterations']} | "
+            lines.append(f"| {r['d']} | {r['N']} | {r['case']} | {r['config'] or 'default'} | {w['warpgroup']} | "
+                         f"{w['iterations']} | "
                          + " | ".join(f"{w[c]:.0f}" for c in cols) + f" | {w['softmax overlap']:.2f} |")
     return "\n".join(lines)
 

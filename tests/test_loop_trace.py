@@ -49,8 +49,8 @@ def test_incomplete_rows_are_left_out():
     t = _trace([0, 0], (1, 1, 1, 1, 1, 1, 1), tail=3, iterations=5)
     t[1, 4, 6:] = 0                                           # wg 1's last iteration stopped before its end
     assert [r["iterations"] for r in loop_trace.summarize(t)] == [5, 4]
-    assert "| causal | default | 0 | 5 |" in loop_trace.markdown(
-        [{"case": "causal", "config": "", "warpgroups": loop_trace.summarize(t)}])
+    assert "| 64 | 4096 | causal | default | 0 | 5 |" in loop_trace.markdown(
+        [{"d": 64, "N": 4096, "case": "causal", "config": "", "warpgroups": loop_trace.summarize(t)}])
 
 
 def test_config_items_parse():
