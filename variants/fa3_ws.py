@@ -124,7 +124,9 @@ class WsConfig:
         consumers stay 2 (three spill a soft-cap's build at 160 registers a thread and measured 7-47% slower
         than two with soft-cap, ALiBi and a document mask at d = 64, N = 4k causal), and persistent follows the
         same rule as without, with two consumers only: at N = 4k causal it measured 3-13% faster than the
-        non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1)."""
+        non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1). Three consumers
+        at D = 128 (Bc 64, no spills) measured 2% slower plain causal and 17% slower with a soft-cap at N = 4k
+        (session 15, call 5)."""
         if self.consumers != "auto" and self.persistent != "auto":
             return self
         return _resolve(self, D, mods, short)
