@@ -25,8 +25,8 @@ refused with a ValueError naming the argument rather than ignored: return_attn_p
 varlen and KV-cache functions (packed and split problems take no modifiers); in the varlen function,
 dropout (sandbox/varlen.py says why). The varlen function takes cu_seqlens on the GPU, as flash-attn's
 callers pass them: the single-launch forward (fa2-tc, CUDA fp16 / bf16, d <= 128) reads them in place
-without waiting; so does the backward where cu_seqlens_q and cu_seqlens_k are one array (packed
-self-attention: one call under a document mask). The per-sequence path and the backward of different query and
+without waiting; so does the backward where cu_seqlens_q and cu_seqlens_k are one array and q and k have as
+many rows (packed self-attention: one call under a document mask). The per-sequence path and the backward of different query and
 key offsets copy them to the host, which waits for the caller's stream.
 """
 from __future__ import annotations
@@ -239,7 +239,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None, *, variant=None,
                            **params):
     """Packed sequences: q (total_q, Hq, d), k and v (total_k, Hkv, d), cu_seqlens on the host or the GPU (read in
-    place by the single launch's forward, else copied to the host: sandbox/varlen.py); returns (total_q, Hq, d),
+    place by the single launch's forward and by the backward of one offsets array for queries and keys, else copied
+    to the host: sandbox/varlen.py); returns (total_q, Hq, d),
     or with return_attn_probs=True (out, softmax_lse (Hq, total_q), None). One launch for the batch where
     fa2-tc's packed-sequence kernel takes it (sandbox/varlen.py)."""
     _refuse(softcap, alibi_slopes, "flash_attn_varlen_func")

@@ -415,7 +415,8 @@ class MaskMod:
     # (this mask, problem, block_r, block_c, xp) -> int8 table [Bm, Hm, ceil(Nq/Br), ceil(Nk/Bc)] of band AND block
     # mask AND this mask, for a mask that knows its tiles without testing every element (document(sorted_ids=True));
     # it may call a tile PARTIAL that is EMPTY, FULL or TILE_BAND, never the other way round; None from it, or no
-    # function: variants/mask_tiles.py tests every element on the GPU.
+    # function: variants/mask_tiles.py tests every element on the GPU. A copy made with dataclasses.replace(mask,
+    # numpy=..., cuda=...) keeps it: clear it there (tile_classes=None) unless the rule still holds
     tile_classes: Callable | None = None
 
     def __post_init__(self):

@@ -291,8 +291,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max
     wait; other GPU offsets are copied to the host, a wait: sandbox/varlen.py). Returns out like q, or
     with return_lse=True (out, lse), lse (Hq, total_q) float32 (flash-attn's varlen layout; no gradient).
     Every option applies within each sequence (sandbox/varlen.py: one launch for the batch with fa2-tc's
-    kernel on CUDA fp16 / bf16, else one per sequence, `single_launch=False` forcing that; the backward per
-    sequence; no dropout)."""
+    kernel on CUDA fp16 / bf16, else one per sequence, `single_launch=False` forcing that; the backward one call
+    for packed self-attention with one GPU offsets array and as many q as k rows, else per sequence; no dropout)."""
     if isinstance(variant, str) or variant is None:
         options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, variant=variant, causal=causal,
                        scale=scale, window=window, **params)

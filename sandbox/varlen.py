@@ -24,9 +24,9 @@ How, two paths:
   sequence, on zero-copy (1, H, n, d) views of the packed arrays (the kernels take any strides with
   unit stride along d), results copied into the packed outputs, every launch on the caller's stream.
   The host cost and the launches grow with the number of sequences. `single_launch=False` forces it.
-The backward: packed self-attention with its offsets on the GPU (cu_seqlens_q and cu_seqlens_k one array, as
-flash-attn's callers pass them for it) is one backward over the packed rows under a document mask made on the
-device (`_backward_document`: no wait); every other call is per sequence (the explicit-form backward of each
+The backward: packed self-attention with its offsets on the GPU (cu_seqlens_q and cu_seqlens_k one contiguous
+int32 / int64 array, as flash-attn's callers pass them for it, and as many q rows as k rows) with a CUDA C variant
+is one backward over the packed rows under a document mask made on the device (`_backward_document`: no wait); every other call is per sequence (the explicit-form backward of each
 sequence with its rows of out and lse: the single launch's out and lse are the same arrays, laid out the same).
 cu_seqlens on the host (lists, NumPy arrays, CPU tensors) are checked there (from 0 to the packed length,
 non-decreasing, max_seqlen at least the longest). On the GPU (int32 / int64, as flash-attn's callers keep
@@ -353,12 +353,11 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
     array for queries and keys, one backward under a document mask made on the device (no wait; module
     docstring), else the explicit-form backward of each sequence. single_launch=False: always per sequence."""
     variant = default_variant(q, params) if variant is None else variant
-    if single_launch and dropout_p == 0 and _one_offsets_array(q, cu_seqlens_q, cu_seqlens_k):
+    if (single_launch and dropout_p == 0 and q.shape[0] == k.shape[0]
+            and _one_offsets_array(q, cu_seqlens_q, cu_seqlens_k) and _document_variant(q, k, v, variant, params)):
         _check_arrays(q, k, v, dropout_p)
-        _check_device_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         _check_backward_shapes(dout, q, out, lse)
-        if _document_variant(q, k, v, variant, params):
-            return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, variant, causal, scale, window, params)
+        return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, variant, causal, scale, window, params)
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
     _check_backward_shapes(dout, q, out, lse)
@@ -395,28 +394,32 @@ def _check_backward_shapes(dout, q, out, lse) -> None:
 
 def _one_offsets_array(q, cu_q, cu_k) -> bool:
     """Whether cu_seqlens_q and cu_seqlens_k are one GPU array (the same memory, type, length and strides) on q's
-    device: packed self-attention as flash-attn's callers pass it (transformers' padding-free batches). Decided
-    from the arrays' descriptions; their values stay unread."""
+    device, a contiguous 1-D int32 / int64 array of S + 1 >= 2 offsets: packed self-attention as flash-attn's callers
+    pass it (transformers' padding-free batches). Decided from the arrays' descriptions; their values stay unread.
+    Anything else takes the per-sequence backward, which checks the offsets on the host."""
     if not (on_device(cu_q) and on_device(cu_k)) or not _same_device(q, cu_q, cu_k):
         return False
     if tuple(cu_q.shape) != tuple(cu_k.shape) or dtype_name(cu_q) != dtype_name(cu_k):
         return False
+    if len(cu_q.shape) != 1 or cu_q.shape[0] < 2 or dtype_name(cu_q) not in ("int32", "int64"):
+        return False
     if arrays.kind_of(cu_q) == "torch":
-        return cu_q.data_ptr() == cu_k.data_ptr() and cu_q.stride() == cu_k.stride()
-    return cu_q.data.ptr == cu_k.data.ptr and cu_q.strides == cu_k.strides
+        return cu_q.data_ptr() == cu_k.data_ptr() and cu_q.stride() == cu_k.stride() == (1,)
+    return cu_q.data.ptr == cu_k.data.ptr and cu_q.strides == cu_k.strides == (cu_q.itemsize,)
 
 
 def _document_variant(q, k, v, variant, params) -> bool:
     """Whether the document-mask backward takes the call: no modifier or block mask of the caller's (the document
-    mask is the call's one mask modifier), CUDA arrays, and a variant whose backward takes mask modifiers."""
+    mask is the call's one mask modifier), CUDA arrays, and a CUDA C variant whose backward takes mask modifiers
+    (the Numba variants read a mask's buffers and classify its tiles on the host)."""
     from .registry import get_variant
     if any(params.get(key) is not None for key in ("block_mask", "score_mod", "mask_mod")):
         return False
     if any(arrays.kind_of(x) not in ("cupy", "torch") for x in (q, k, v)):
         return False
     rest = {key: val for key, val in params.items() if key not in ("block_mask", "score_mod", "mask_mod", "seed", "offset")}
-    caps = get_variant(variant, **rest).caps
-    return bool(caps.backward and caps.mask_mod)
+    bound = get_variant(variant, **rest)
+    return bool(bound.variant.backend == "cuda" and bound.caps.backward and bound.caps.mask_mod)
 
 
 def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, window, params):
@@ -424,12 +427,14 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
     unread on the host (no wait): one backward over the packed rows as a single sequence, under a document mask
     whose per-token ids are made from the offsets on the device (token t of sequence s: id s, by a binary search).
     Within a sequence the packed positions differ from the sequence's own by one offset, for queries and keys
-    alike, so causal and window mean what they mean per sequence; other sequences' tiles are skipped by the mask's
+    alike, and q and k have as many packed rows (the caller checks), so the single problem's bottom-right alignment
+    shifts nothing and causal and window mean what they mean per sequence; other sequences' tiles are skipped by the mask's
     tile table, made from each tile's first and last ids (the ids never decrease: document(sorted_ids=True), O(tiles)
     where testing every element took 1.0 ms at 16k packed tokens on the H100). Tokens before cu[0] get id -1 as
-    queries and -2 as keys, those past cu[S] S and S + 1: they see nothing and nothing sees them (zero gradients),
-    and their lse is taken as a dead row's (-inf: the forward's device path wrote NaN there, which must not reach
-    the other rows' sums)."""
+    queries and -2 as keys, those past cu[S] S and S + 1: they see nothing and nothing sees them. Such rows, and rows
+    the forward left NaN (a sequence past max_seqlen_q: a broken contract), are zeroed in copies of q, k, v, out and
+    dout and get a dead row's lse (-inf): their P is 0, but the GEMMs multiply it by their values (0 NaN = NaN) and
+    dK / dQ would sum NaN into the other sequences' keys and rows of their tiles. They get zero gradients."""
     from . import modifiers
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
@@ -442,18 +447,20 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
         def ids(n, before, after):        # never decreasing along the rows (document(sorted_ids=True))
             return kernel(c, np.int32(S), np.int32(before), np.int32(after), size=n)
         q_ids, k_ids = ids(q.shape[0], -1, S), ids(k.shape[0], -2, S + 1)
-        rows = (q_ids >= 0) & (q_ids < S)
-        # an outside row's out (the device forward's NaN) and dout must not enter D = rowsum(dO o O): its P is 0,
-        # but 0 (dP - D) is NaN for a NaN D, and dK sums that row's dS into every key of its tiles
-        lse_c = cp.where(rows[None, :], arrays.to_device(lse, "lse"), cp.float32(-cp.inf))
-        def rows_only(x, nm):        # on the bit patterns (CuPy has no bf16 arithmetic): +0's are all zero
+        lse_d = arrays.to_device(lse, "lse")
+        rows = (q_ids >= 0) & (q_ids < S) & ~cp.isnan(lse_d).any(axis=0)     # q rows that take part
+        keys = (k_ids >= 0) & (k_ids < S)
+        lse_c = cp.where(rows[None, :], lse_d, cp.float32(-cp.inf))
+
+        def only(x, nm, keep):       # on the bit patterns (CuPy has no bf16 arithmetic): +0's are all zero
             xc = arrays.to_device(x, nm)
             bits = xc.view(f"uint{8 * xc.dtype.itemsize}")
-            return arrays.like(cp.where(rows[:, None, None], bits, bits.dtype.type(0)).view(xc.dtype), kind)
-        out_c, dout_c = rows_only(out, "out"), rows_only(dout, "dout")
+            return arrays.like(cp.where(keep[:, None, None], bits, bits.dtype.type(0)).view(xc.dtype), kind)
+        q_c, out_c, dout_c = only(q, "q", rows), only(out, "out", rows), only(dout, "dout", rows)
+        k_c, v_c = only(k, "k", keys), only(v, "v", keys)
         mask = modifiers.document(q_ids, k_ids, sorted_ids=True)
         nq, nk = q.shape[0], k.shape[0]
-        g = api.backward(_view(dout_c, 0, nq), q=_view(q, 0, nq), k=_view(k, 0, nk), v=_view(v, 0, nk),
+        g = api.backward(_view(dout_c, 0, nq), q=_view(q_c, 0, nq), k=_view(k_c, 0, nk), v=_view(v_c, 0, nk),
                          out=_view(out_c, 0, nq), lse=arrays.like(lse_c, kind)[None], variant=variant, causal=causal,
                          scale=scale, window=window, mask_mod=mask, **params)
     return tuple(_packed(x) for x in g)

@@ -375,8 +375,9 @@ CU_SELF_HOST = [0, *CU_SELF, SELF_TOTAL]    # host offsets cover the array: the 
 def test_self_attention_backward_with_device_offsets_matches_the_per_sequence_one(dtype, monkeypatch):
     """cu_seqlens_q and cu_seqlens_k one CUDA array: the backward is one call under a document mask whose ids are
     made on the device (the offsets never reach the host: _lengths fails the test), with the per-sequence
-    backward's gradients (host offsets); rows outside cu[0] .. cu[S], NaN in the device forward's out and lse, get
-    zero gradients and leave every other gradient finite. int32 and int64 offsets, torch and CuPy arrays."""
+    backward's gradients (host offsets); rows outside cu[0] .. cu[S], NaN in q, k, v and dout and in the device
+    forward's out and lse, get zero gradients and leave every other gradient finite. int32 and int64 offsets, torch
+    and CuPy arrays."""
     torch = pytest.importorskip("torch")
     import cupy as cp
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -386,6 +387,8 @@ def test_self_attention_backward_with_device_offsets_matches_the_per_sequence_on
     inside[CU_SELF[0]:CU_SELF[-1]] = True
     for opts, d, hq, hkv in [({"causal": True}, 64, 4, 2), ({}, 128, 4, 4), ({"causal": True, "window": (17, 3)}, 64, 2, 1)]:
         q, k, v, dout = (torch.randn(SELF_TOTAL, h, d, device="cuda", generator=g).to(t) for h in (hq, hkv, hkv, hq))
+        for x in (q, k, v, dout):
+            x[~inside] = float("nan")          # padding as torch.empty may leave it: must not reach the others
         out, lse = varlen.forward(q, k, v, CU_SELF_HOST, CU_SELF_HOST, **opts)
         want = varlen.backward(dout, q, k, v, out, lse, CU_SELF_HOST, CU_SELF_HOST, **opts)
         for it in (torch.int32, torch.int64):
@@ -469,3 +472,37 @@ def test_document_ids_from_device_offsets():
         c = cp.asarray(cu, dtype=cp.int64 if case % 2 else cp.int32)
         got = varlen._document_ids_kernel()(c, np.int32(S), np.int32(-1), np.int32(S), size=total)
         assert got.dtype == cp.int32 and np.array_equal(cp.asnumpy(got), want), (cu, total)
+
+
+
+@pytest.mark.gpu
+def test_self_attention_backward_outside_its_envelope():
+    """The document backward's edges: a too-small max_seqlen_q leaves NaN rows in the forward (a broken contract),
+    which get zero gradients and do not reach the intact sequences' (equal to the per-sequence backward's); one
+    offsets array with q and k of different packed lengths is not packed self-attention (the per-sequence backward
+    refuses it on the host); strided and int16 GPU offsets take the per-sequence backward."""
+    torch = pytest.importorskip("torch")
+    cu = [0, 5, 5, 6, 140, 300, 301]           # sequences 3 and 4 (134 and 160 rows) pass max_seqlen_q = 100
+    q, k, v = _torch_packed(cu, cu, 4, 2, 64, "float16", seed=13)
+    dout = torch.randn_like(q)
+    out, lse = varlen.forward(q, k, v, cu, cu, causal=True)
+    want = varlen.backward(dout, q, k, v, out, lse, cu, cu, causal=True)
+    dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    out_d, lse_d = varlen.forward(q, k, v, dev, dev, 100, 100, causal=True)
+    assert torch.isnan(out_d[140:]).any()
+    got = varlen.backward(dout, q, k, v, out_d, lse_d, dev, dev, 100, 100, causal=True)
+    intact = torch.zeros(cu[-1], dtype=torch.bool, device="cuda")
+    for a, b in ((0, 5), (5, 6), (300, 301)):
+        intact[a:b] = True
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a[intact].float(), b[intact].float(), rtol=2e-2, atol=2e-2)
+    q2 = torch.cat([q, q[:10]])                # 311 query rows against 301 key rows, one offsets array
+    with pytest.raises(ValueError):
+        varlen.backward(torch.cat([dout, dout[:10]]), q2, k, v, torch.cat([out, out[:10]]),
+                        torch.cat([lse, lse[:, :10]], 1), dev, dev, 400, 400, causal=True)
+    strided = torch.tensor([x for c_ in cu for x in (c_, -1)], dtype=torch.int32, device="cuda")[::2]
+    for offsets in (strided, dev.to(torch.int16)):
+        got = varlen.backward(dout, q, k, v, out, lse, offsets, offsets, 400, 400, causal=True)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=2e-3)   # dQ: fp32 atomics
