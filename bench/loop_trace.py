@@ -1,6 +1,7 @@
-"""python -m bench.loop_trace --out DIR: where fa3's overlapped loop spends its clocks, per consumer warpgroup.
+"""python -m bench.loop_trace --out DIR: where a warp-specialized kernel's loop spends its clocks, per consumer warpgroup.
 
-fa3 with trace=True (kernels_cu/fa3_ws.cu FA_TRACE) stores clock64() at eight points of every loop iteration of the
+A registered variant with a `trace` parameter (the registry says which: the overlapped Hopper rung, whose
+kernels_cu/fa3_ws.cu compiles in FA_TRACE with trace=True) stores clock64() at eight points of every loop iteration of the
 grid's block 0 (its first Q tile of head 0: the longest causal walk). From them, per warpgroup, the median clocks
 of each phase of an iteration:
 
@@ -118,23 +119,30 @@ def _params(text: str) -> dict:
     return out
 
 
-def run(d: int, N: int, case: str, config: str):
-    """Trace one fa3 forward (after warm-up launches); returns the trace array."""
+def traced_variants() -> list[str]:
+    """The registered variants that take trace=True (their impl has clear_traces / read_trace)."""
+    from sandbox.registry import all_variants
+    return [v.name for v in all_variants().values() if any(p.name == "trace" for p in v.params)]
+
+
+def run(variant: str, d: int, N: int, case: str, config: str):
+    """Trace one forward of `variant` (after warm-up launches); returns the trace array."""
     import cupy as cp
     import sandbox
-    from variants import fa3_ws
+    from sandbox.registry import get_variant
     from .modifiers_bench import modifier_options
+    impl = get_variant(variant).variant.impl
     B, H = max(1, 16384 // N), 2048 // d
     g = cp.random.default_rng(0)
     q, k, v = (g.standard_normal((B, H, N, d), dtype=cp.float32).astype(cp.float16) for _ in range(3))
     params = {**_params(config), "trace": True}
     opts = modifier_options(case, H, N)
     for _ in range(2):
-        sandbox.forward(q, k, v, variant="fa3", **params, **opts)
+        sandbox.forward(q, k, v, variant=variant, **params, **opts)
     cp.cuda.Device().synchronize()
-    fa3_ws.clear_traces()
-    sandbox.forward(q, k, v, variant="fa3", **params, **opts)
-    return fa3_ws.read_trace()
+    impl.clear_traces()
+    sandbox.forward(q, k, v, variant=variant, **params, **opts)
+    return impl.read_trace()
 
 
 def main(argv=None) -> int:
@@ -144,15 +152,20 @@ def main(argv=None) -> int:
     ap.add_argument("--headdim", default="128", help="comma-separated head dims (64, 128)")
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--cases", default="causal,softcap", help="bench.modifiers_bench cases")
-    ap.add_argument("--configs", default=";pingpong=true", help="';'-separated fa3 configs (name=value,...)")
+    ap.add_argument("--configs", default=";pingpong=true", help="';'-separated configs of the variant (name=value,...)")
+    ap.add_argument("--variant", default=None, help="a variant with a trace parameter (default: the first registered)")
     args = ap.parse_args(argv)
+    names = traced_variants()
+    variant = args.variant or (names[0] if names else None)
+    if variant not in names:
+        raise SystemExit(f"error: --variant must be one of {names} (variants with a trace parameter); got {variant!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, traces = [], []
     for d in (int(x) for x in args.headdim.split(",")):
         for case in args.cases.split(","):
             for config in args.configs.split(";"):
-                t = run(d, args.seqlen, case, config)
+                t = run(variant, d, args.seqlen, case, config)
                 rows = summarize(t)
                 results.append({"d": d, "N": args.seqlen, "case": case, "config": config, "warpgroups": rows})
                 traces.append(t)
@@ -160,8 +173,9 @@ def main(argv=None) -> int:
                       + ", ".join(f"wg{w['warpgroup']} {w['period']:.0f}" for w in rows) + " clk", flush=True)
     from .common import stamp, stamp_line
     meta, table = stamp(), markdown(results)
-    (out / "loop_trace.md").write_text(f"# fa3 loop trace (median SM clocks per iteration)\n\n{stamp_line(meta)}\n\n{table}\n")
-    (out / "loop_trace.json").write_text(json.dumps({**meta, "results": results}, indent=1))
+    (out / "loop_trace.md").write_text(f"# {variant} loop trace (median SM clocks per iteration)\n\n{stamp_line(meta)}"
+                                       f"\n\n{table}\n")
+    (out / "loop_trace.json").write_text(json.dumps({**meta, "variant": variant, "results": results}, indent=1))
     if not plot(results, traces, out / "loop_trace.png"):
         print("matplotlib not installed: no loop_trace.png", file=sys.stderr)
     print(table)

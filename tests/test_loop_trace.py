@@ -68,6 +68,14 @@ def test_trace_is_an_fa3_parameter_that_adds_the_switch_only_when_on():
         sandbox.get_variant("fa3-ws", trace=True)                 # fa3-ws has no overlapped loop to trace
 
 
+def test_the_bench_finds_the_traced_variant_through_the_registry():
+    assert loop_trace.traced_variants() == ["fa3"]
+    impl = sandbox.get_variant("fa3").variant.impl
+    assert impl.clear_traces is fa3_ws.clear_traces and impl.read_trace is fa3_ws.read_trace
+    with pytest.raises(SystemExit, match="trace parameter"):
+        loop_trace.main(["--variant", "fa2-tc", "--out", "/tmp/unused-loop-trace"])
+
+
 def test_traced_build_compiles_without_spills():
     pytest.importorskip("cuda.bindings.nvrtc")
     from sandbox import loader

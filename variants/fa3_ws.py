@@ -245,6 +245,10 @@ class FA3WarpSpecialized(FA3Wgmma):
         super().__init__()
         self.name, self.overlap = name, overlap
 
+    # the loop trace (trace=True), as bench/loop_trace.py reads it through the registry
+    clear_traces = staticmethod(clear_traces)
+    read_trace = staticmethod(read_trace)
+
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
                   exp2_fma=0, persistent="auto", trace=False):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
