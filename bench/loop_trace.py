@@ -22,6 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from sandbox.cli import positive_int
+
+from .common import csv_of
+from .modifiers_bench import CASES
+
 PHASES = ("operands", "turn", "S issue", "PV issue", "S wait", "softmax", "PV wait")   # event e-1 -> e, e = 1..7
 
 
@@ -108,14 +113,19 @@ def plot(results: list[dict], traces: list[np.ndarray], path: Path, iterations: 
     return True
 
 
-def _params(text: str) -> dict:
-    """'pingpong=true,stages=3' -> {'pingpong': True, 'stages': 3}."""
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        if "=" not in item:
-            raise SystemExit(f"error: config item {item!r} is not name=value")
-        k, v = item.split("=", 1)
-        out[k] = int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v.lower(), v)
+def configs(variant: str, text: str) -> list[tuple[str, dict]]:
+    """--configs: comma-separated parameter sets in the benchmark specs' syntax (sandbox.registry.parse_spec:
+    'pingpong=true+stages=3'; an empty one is the defaults), each bound to the variant with trace=True here, so that
+    a bad name or value is an error before anything runs on the GPU."""
+    from sandbox.registry import get_variant, parse_spec
+    out = []
+    for text_ in (t.strip() for t in text.split(",")):
+        _, params = parse_spec(f"{variant}:{text_}")
+        try:
+            get_variant(variant, **params, trace=True)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"error: --configs {text_!r}: {e}") from None
+        out.append((text_, params))
     return out
 
 
@@ -125,7 +135,7 @@ def traced_variants() -> list[str]:
     return [v.name for v in all_variants().values() if any(p.name == "trace" for p in v.params)]
 
 
-def run(variant: str, d: int, N: int, case: str, config: str):
+def run(variant: str, d: int, N: int, case: str, params: dict):
     """Trace one forward of `variant` (after warm-up launches); returns the trace array."""
     import cupy as cp
     import sandbox
@@ -135,7 +145,7 @@ def run(variant: str, d: int, N: int, case: str, config: str):
     B, H = max(1, 16384 // N), 2048 // d
     g = cp.random.default_rng(0)
     q, k, v = (g.standard_normal((B, H, N, d), dtype=cp.float32).astype(cp.float16) for _ in range(3))
-    params = {**_params(config), "trace": True}
+    params = {**params, "trace": True}
     opts = modifier_options(case, H, N)
     for _ in range(2):
         sandbox.forward(q, k, v, variant=variant, **params, **opts)
@@ -149,23 +159,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.loop_trace", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out")
-    ap.add_argument("--headdim", default="128", help="comma-separated head dims (64, 128)")
-    ap.add_argument("--seqlen", type=int, default=4096)
-    ap.add_argument("--cases", default="causal,softcap", help="bench.modifiers_bench cases")
-    ap.add_argument("--configs", default=";pingpong=true", help="';'-separated configs of the variant (name=value,...)")
+    ap.add_argument("--headdim", type=csv_of(kind=int, low=1, high=256), default=(128,), help="comma-separated head dims")
+    ap.add_argument("--seqlen", type=positive_int, default=4096)
+    ap.add_argument("--cases", type=csv_of(allowed=CASES), default=("causal", "softcap"),
+                    help=f"comma-separated bench.modifiers_bench cases ({', '.join(CASES)})")
+    ap.add_argument("--configs", default=",pingpong=true", help="comma-separated parameter sets of the variant, each "
+                    "in the spec syntax (pingpong=true+stages=3; empty: the defaults)")
     ap.add_argument("--variant", default=None, help="a variant with a trace parameter (default: the first registered)")
     args = ap.parse_args(argv)
     names = traced_variants()
     variant = args.variant or (names[0] if names else None)
     if variant not in names:
         raise SystemExit(f"error: --variant must be one of {names} (variants with a trace parameter); got {variant!r}")
+    sets = configs(variant, args.configs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, traces = [], []
-    for d in (int(x) for x in args.headdim.split(",")):
-        for case in args.cases.split(","):
-            for config in args.configs.split(";"):
-                t = run(variant, d, args.seqlen, case, config)
+    for d in args.headdim:
+        for case in args.cases:
+            for config, params in sets:
+                t = run(variant, d, args.seqlen, case, params)
                 rows = summarize(t)
                 results.append({"d": d, "N": args.seqlen, "case": case, "config": config, "warpgroups": rows})
                 traces.append(t)

@@ -53,11 +53,15 @@ def test_incomplete_rows_are_left_out():
         [{"d": 64, "N": 4096, "case": "causal", "config": "", "warpgroups": loop_trace.summarize(t)}])
 
 
-def test_config_items_parse():
-    assert loop_trace._params("pingpong=true,stages=3,consumers=2") == {"pingpong": True, "stages": 3, "consumers": 2}
-    assert loop_trace._params("") == {}
-    with pytest.raises(SystemExit):
-        loop_trace._params("pingpong")
+def test_configs_and_options_are_checked_before_anything_runs():
+    assert loop_trace.configs("fa3", ",pingpong=true+stages=3") == [("", {}), ("pingpong=true+stages=3",
+                                                                              {"pingpong": True, "stages": 3})]
+    for bad in ("pingpong=maybe", "stages=5", "no_such_param=1"):
+        with pytest.raises(SystemExit, match="--configs"):
+            loop_trace.configs("fa3", bad)
+    for argv in (["--cases", "softcap,nope"], ["--headdim", "64,x"], ["--seqlen", "0"]):
+        with pytest.raises(SystemExit):                            # argparse's error, exit status 2
+            loop_trace.main([*argv, "--out", "/tmp/unused-loop-trace"])
 
 
 def test_trace_is_an_fa3_parameter_that_adds_the_switch_only_when_on():

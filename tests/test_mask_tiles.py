@@ -120,6 +120,8 @@ def test_sorted_document_ids_per_batch_entry():
     _check_sorted_tables(got, exact)
     with pytest.raises(TypeError, match="sorted_ids"):
         M.document(ids, sorted_ids=1)
+    with pytest.raises(TypeError, match="tile_classes must be callable"):
+        M.MaskMod("m", lambda b, h, i, j: i >= j, lambda b, h, i, j: i >= j, "i >= j", tile_classes=3)
 
 
 # ---- GPU

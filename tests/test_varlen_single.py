@@ -368,6 +368,11 @@ def test_device_offsets_that_break_the_contract_show_as_nan_and_stay_in_bounds()
 CU_SELF = [3, 8, 8, 9, 143, 303, 304]      # lengths 5, 0, 1, 134, 160, 1; rows 0..2 and 304..319 outside
 SELF_TOTAL = 320
 CU_SELF_HOST = [0, *CU_SELF, SELF_TOTAL]    # host offsets cover the array: the outside rows as two more sequences
+# Two routes to one gradient: the document backward sums dK / dV over other tiles (a 320-row problem's, not each
+# sequence's) and dQ by fp32 atomics in another order, each rounded to the 16-bit dtype once; bf16's unit roundoff
+# is 2^-8 = 3.9e-3 and these gradients reach magnitudes of a few units, so a few roundings of either route differ
+# by up to ~2e-2 (the per-sequence route's own repeats differ by less: the single-launch test's 1e-2 / 2e-3)
+ROUTES_RTOL = ROUTES_ATOL = 2e-2
 
 
 @pytest.mark.gpu
@@ -402,7 +407,7 @@ def test_self_attention_backward_with_device_offsets_matches_the_per_sequence_on
                 assert a.shape == b.shape and a.dtype == b.dtype and a.is_contiguous()
                 assert torch.isfinite(a).all(), (opts, it)
                 assert not a[~inside].any(), (opts, it)                  # outside rows: zero
-                torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=2e-2, atol=2e-2)
+                torch.testing.assert_close(a[inside].float(), b[inside].float(), rtol=ROUTES_RTOL, atol=ROUTES_ATOL)
         if dtype == "float16":                 # CuPy arrays take the same route
             cu = cp.asarray(CU_SELF, dtype=cp.int32)
             qc, kc, vc, dc = (cp.asarray(x) for x in (q, k, v, dout))
@@ -412,7 +417,7 @@ def test_self_attention_backward_with_device_offsets_matches_the_per_sequence_on
                 got = varlen.backward(dc, qc, kc, vc, oc, lc, cu, cu, longest, longest, **opts)
             rows = inside.cpu().numpy()
             for a, b in zip(got, want):
-                np.testing.assert_allclose(_np(a)[rows], _np(b)[rows], rtol=2e-2, atol=2e-2)
+                np.testing.assert_allclose(_np(a)[rows], _np(b)[rows], rtol=ROUTES_RTOL, atol=ROUTES_ATOL)
                 assert not _np(a)[~rows].any()
 
 
@@ -496,7 +501,7 @@ def test_self_attention_backward_outside_its_envelope():
         intact[a:b] = True
     for a, b in zip(got, want):
         assert torch.isfinite(a).all()
-        torch.testing.assert_close(a[intact].float(), b[intact].float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(a[intact].float(), b[intact].float(), rtol=ROUTES_RTOL, atol=ROUTES_ATOL)
     q2 = torch.cat([q, q[:10]])                # 311 query rows against 301 key rows, one offsets array
     with pytest.raises(ValueError):
         varlen.backward(torch.cat([dout, dout[:10]]), q2, k, v, torch.cat([out, out[:10]]),
