@@ -43,8 +43,8 @@ def configs(variant, gate: bool = False) -> list:
 def units(gate: bool = False):
     """(variant name, bound config, CompileUnit) for every CUDA variant and every config it lists
     (`gate`: see configs), then the kernels that are not attention variants (the lecture's softmax
-    algorithms)."""
-    from . import softmax
+    algorithms, the packed backward's row preparation)."""
+    from . import softmax, varlen
     for v in all_variants().values():
         if v.backend != "cuda":
             continue
@@ -52,6 +52,7 @@ def units(gate: bool = False):
             for unit in v.impl.compile_units(bound.config):
                 yield v.name, bound, unit
     yield "softmax", None, softmax.unit()
+    yield "varlen_rows", None, varlen.rows_unit()
 
 
 def kernel_key(unit, name: str, arch: str) -> tuple:

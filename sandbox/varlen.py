@@ -434,55 +434,66 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
     queries and -2 as keys, those past cu[S] S and S + 1: they see nothing and nothing sees them. Such rows, and rows
     the forward left NaN (a sequence past max_seqlen_q: a broken contract), are zeroed in copies of q, k, v, out and
     dout and get a dead row's lse (-inf): their P is 0, but the GEMMs multiply it by their values (0 NaN = NaN) and
-    dK / dQ would sum NaN into the other sequences' keys and rows of their tiles. They get zero gradients."""
+    dK / dQ would sum NaN into the other sequences' keys and rows of their tiles. They get zero gradients.
+    The ids, the lse and the five copies are one launch (kernels_cu/varlen_rows.cu), and the backward is called with
+    CuPy views, so it takes the generic path: a torch call's plan would be made per mask, that is per call, and
+    thrown away (the plan path has no backward launch for a mask modifier)."""
     from . import modifiers
     kind = arrays.kind_of(q)
     with arrays.caller_stream(q):
-        import cupy as cp
-        c = arrays.to_device(cu, "cu_seqlens_q")
-
-        S = cu.shape[0] - 1
-        kernel = _document_ids_kernel()
-
-        def ids(n, before, after):        # never decreasing along the rows (document(sorted_ids=True))
-            return kernel(c, np.int32(S), np.int32(before), np.int32(after), size=n)
-        q_ids, k_ids = ids(q.shape[0], -1, S), ids(k.shape[0], -2, S + 1)
-        lse_d = arrays.to_device(lse, "lse")
-        rows = (q_ids >= 0) & (q_ids < S) & ~cp.isnan(lse_d).any(axis=0)     # q rows that take part
-        keys = (k_ids >= 0) & (k_ids < S)
-        lse_c = cp.where(rows[None, :], lse_d, cp.float32(-cp.inf))
-
-        def only(x, nm, keep):       # on the bit patterns (CuPy has no bf16 arithmetic): +0's are all zero
-            xc = arrays.to_device(x, nm)
-            bits = xc.view(f"uint{8 * xc.dtype.itemsize}")
-            return arrays.like(cp.where(keep[:, None, None], bits, bits.dtype.type(0)).view(xc.dtype), kind)
-        q_c, out_c, dout_c = only(q, "q", rows), only(out, "out", rows), only(dout, "dout", rows)
-        k_c, v_c = only(k, "k", keys), only(v, "v", keys)
+        (q_c, out_c, dout_c, k_c, v_c), q_ids, k_ids, lse_c = document_inputs(cu, q, out, dout, k, v, lse)
         mask = modifiers.document(q_ids, k_ids, sorted_ids=True)
-        nq, nk = q.shape[0], k.shape[0]
-        g = api.backward(_view(dout_c, 0, nq), q=_view(q_c, 0, nq), k=_view(k_c, 0, nk), v=_view(v_c, 0, nk),
-                         out=_view(out_c, 0, nq), lse=arrays.like(lse_c, kind)[None], variant=variant, causal=causal,
-                         scale=scale, window=window, mask_mod=mask, **params)
-    return tuple(_packed(x) for x in g)
+        n = q.shape[0]
+        g = api.backward(_view(dout_c, 0, n), q=_view(q_c, 0, n), k=_view(k_c, 0, n), v=_view(v_c, 0, n),
+                         out=_view(out_c, 0, n), lse=lse_c[None], variant=variant, causal=causal, scale=scale,
+                         window=window, mask_mod=mask, **params)
+    return tuple(arrays.like(_packed(x), kind) for x in g)
+
+
+def document_inputs(cu, q, out, dout, k, v, lse):
+    """The document backward's inputs, made by one launch on the current stream (kernels_cu/varlen_rows.cu): C-contiguous
+    CuPy copies of q, out, dout (n, Hq, d) and k, v (n, Hkv, d) with the rows that take no part zeroed, the query and
+    key ids (int32 [n]) and lse [Hq, n] with -inf in those query rows (_backward_document). cu: the S + 1 offsets on
+    the device (contiguous int32 / int64), q and k of n rows each."""
+    import cupy as cp
+    from .launch import i32, i64
+    from .loader import launch
+    c = arrays.to_device(cu, "cu_seqlens_q")
+    n, S, H = q.shape[0], cu.shape[0] - 1, q.shape[1]
+    ds = [arrays.to_device(x, nm) for x, nm in ((q, "q"), (out, "out"), (dout, "dout"), (k, "k"), (v, "v"))]
+    xs = [cp.ascontiguousarray(x.view(f"uint{8 * x.dtype.itemsize}")) for x in ds]   # bits: CuPy copies no bf16
+    lse_d = cp.ascontiguousarray(arrays.to_device(lse, "lse"))
+    ys = [cp.empty_like(x) for x in xs]
+    q_ids, k_ids, lse_c = cp.empty(n, cp.int32), cp.empty(n, cp.int32), cp.empty_like(lse_d)
+    qrow, krow = (x.itemsize * x.shape[1] * x.shape[2] for x in (xs[0], xs[3]))
+    width = _copy_width((qrow, krow, *(x.data.ptr for x in xs + ys)))
+    launch(rows_unit(), _rows_kernel(c.dtype, width), (n,), (ROWS_THREADS,),
+           (c, i32(S), lse_d, i32(H), i32(n), q_ids, k_ids, lse_c, *xs[:3], *ys[:3], i64(qrow // width),
+            *xs[3:], *ys[3:], i64(krow // width)))
+    return [y.view(d.dtype) for y, d in zip(ys, ds)], q_ids, k_ids, lse_c
+
+
+ROWS_THREADS = 256
+_VECTORS = {16: "uint4", 8: "uint2", 4: "unsigned int", 2: "unsigned short"}
+_OFFSET_TYPES = {"int32": "int", "int64": "long long"}
+
+
+def _copy_width(sizes) -> int:
+    """The widest copy vector (bytes) that divides every row size and pointer (2 at least: fp16 / bf16 / fp32)."""
+    return next(w for w in _VECTORS if all(s % w == 0 for s in sizes))
+
+
+def _rows_kernel(offset_dtype, width: int) -> str:
+    return f"document_rows<{_OFFSET_TYPES[str(offset_dtype)]}, {_VECTORS[width]}>"
 
 
 @functools.lru_cache(maxsize=None)
-def _document_ids_kernel():
-    """Token t's id from S + 1 offsets c (int32 or int64): `before` below c[0], `after` from c[S], else the s with
-    c[s] <= t < c[s + 1], by binary search for the first c[p] > t (numpy.searchsorted(c[1:], t, "right"))."""
-    import cupy as cp
-    return cp.ElementwiseKernel(
-        "raw T c, int32 S, int32 before, int32 after", "int32 id",
-        """
-        const long long t = i;
-        if (t < (long long)c[0]) id = before;
-        else if (t >= (long long)c[S]) id = after;
-        else {
-            int lo = 1, hi = S;                              // the first p in [1, S] with c[p] > t (c[S] > t)
-            while (lo < hi) { const int mid = (lo + hi) / 2; if ((long long)c[mid] > t) hi = mid; else lo = mid + 1; }
-            id = lo - 1;
-        }
-        """, "sandbox_document_ids")
+def rows_unit():
+    """kernels_cu/varlen_rows.cu: every (offset type, copy vector) instantiation (also built by the compile check)."""
+    from .launch import cuda_options
+    from .loader import CompileUnit
+    names = tuple(f"document_rows<{i}, {v}>" for i in _OFFSET_TYPES.values() for v in _VECTORS.values())
+    return CompileUnit("varlen_rows.cu", names, cuda_options(), {}, label="varlen_rows")
 
 
 def _packed(x):

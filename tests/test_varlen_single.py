@@ -461,23 +461,60 @@ def test_self_attention_backward_with_device_offsets_waits_for_nothing():
     assert not busy, "two offsets arrays were expected to take the per-sequence backward (a host copy)"
 
 
+def test_copy_width_divides_every_row_and_pointer():
+    assert varlen._copy_width((4096, 1024, 256, 512)) == 16
+    assert varlen._copy_width((4096, 1032, 256)) == 8                # a row of 129 x 8 bytes
+    assert varlen._copy_width((4096, 1024, 256 + 4)) == 4            # one pointer 4-byte aligned
+    assert varlen._copy_width((6, 1024)) == 2                         # a row of three fp16 values
+    assert varlen._rows_kernel(np.dtype("int64"), 16) == "document_rows<long long, uint4>"
+    assert varlen._rows_kernel(np.dtype("int32"), 2) in varlen.rows_unit().names
+
+
 @pytest.mark.gpu
-def test_document_ids_from_device_offsets():
-    """The ids kernel of the document backward gives numpy's searchsorted ids inside cu[0] .. cu[S] and the outside
-    ids elsewhere (empty sequences, int32 and int64 offsets, S = 1)."""
+def test_document_inputs_from_device_offsets():
+    """The document backward's one-launch preparation (kernels_cu/varlen_rows.cu) against a NumPy model: ids from
+    searchsorted inside cu[0] .. cu[S] (-1 / S for queries, -2 / S + 1 for keys outside), lse -inf and q, out, dout
+    zeroed in rows outside or with a NaN lse, k and v zeroed outside, NaN padding gone, bits kept elsewhere; empty
+    sequences, int32 and int64 offsets, S = 1, GQA head counts, rows of every copy width, float16 / float32 and
+    strided inputs."""
     import cupy as cp
     rng = np.random.default_rng(8)
     for case in range(40):
         S = int(rng.integers(1, 9))
-        n = int(rng.integers(0, 400))
-        cu = np.concatenate([[0], np.sort(rng.integers(0, n + 1, S - 1)), [n]]) + int(rng.integers(0, 9))
-        total = int(cu[-1]) + int(rng.integers(0, 9))
-        t = np.arange(total)
-        want = np.where(t < cu[0], -1, np.where(t >= cu[-1], S, np.searchsorted(cu[1:], t, side="right")))
+        m = int(rng.integers(0, 300))
+        cu = np.concatenate([[0], np.sort(rng.integers(0, m + 1, S - 1)), [m]]) + int(rng.integers(0, 9))
+        n = int(cu[-1]) + int(rng.integers(0, 9))
+        hq, hkv = [(4, 2), (3, 3), (1, 1), (8, 1)][case % 4]
+        d = [64, 3, 4, 40, 128][case % 5]
+        dt = np.float32 if case % 3 == 0 else np.float16
+        t = np.arange(n)
+        qid = np.where(t < cu[0], -1, np.where(t >= cu[-1], S, np.searchsorted(cu[1:], t, side="right")))
+        kid = np.where(t < cu[0], -2, np.where(t >= cu[-1], S + 1, qid))
+        host = {nm: rng.standard_normal((n, h, d)).astype(dt) for nm, h in
+                (("q", hq), ("out", hq), ("dout", hq), ("k", hkv), ("v", hkv))}
+        for x in host.values():
+            x[(qid < 0) | (qid >= S)] = np.nan                       # padding as torch.empty may leave it
+        lse = rng.standard_normal((hq, n)).astype(np.float32)
+        nan_rows = rng.random(n) < 0.1
+        lse[int(rng.integers(0, hq)), nan_rows] = np.nan
+        dev = {nm: cp.asarray(x) for nm, x in host.items()}
+        if case % 4 == 1:                                             # a strided q: every other head of a wider one
+            dev["q"] = cp.repeat(dev["q"], 2, axis=1)[:, ::2]
         c = cp.asarray(cu, dtype=cp.int64 if case % 2 else cp.int32)
-        got = varlen._document_ids_kernel()(c, np.int32(S), np.int32(-1), np.int32(S), size=total)
-        assert got.dtype == cp.int32 and np.array_equal(cp.asnumpy(got), want), (cu, total)
-
+        ys, q_ids, k_ids, lse_c = varlen.document_inputs(c, dev["q"], dev["out"], dev["dout"], dev["k"], dev["v"],
+                                                         cp.asarray(lse))
+        keep_q = (qid >= 0) & (qid < S) & ~nan_rows
+        keep_k = (kid >= 0) & (kid < S)
+        assert q_ids.dtype == k_ids.dtype == cp.int32
+        assert np.array_equal(cp.asnumpy(q_ids), qid) and np.array_equal(cp.asnumpy(k_ids), kid), (cu, n)
+        want_lse = np.where(keep_q[None], lse, -np.inf)
+        assert np.array_equal(cp.asnumpy(lse_c), want_lse, equal_nan=False), (cu, n)
+        for y, nm in zip(ys, ("q", "out", "dout", "k", "v")):
+            keep = keep_k if nm in ("k", "v") else keep_q
+            want = np.where(keep[:, None, None], host[nm], dt(0))
+            got = cp.asnumpy(y)
+            assert y.dtype == dt and y.flags.c_contiguous and got.shape == want.shape, nm
+            assert np.array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}")), (nm, cu, n)
 
 
 @pytest.mark.gpu
