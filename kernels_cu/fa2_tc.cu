@@ -168,7 +168,11 @@ fa2_tc_forward(const T* __restrict__ Q, long long q_sb, long long q_sh, long lon
 #endif
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
+#ifdef FA_MASK_MOD
+    t = first_live_tile([trow](int u) { return (int)trow[u]; }, t, t1);    // a mask modifier's leading EMPTY tiles
+#else                                                                     // at once (tiles.cuh)
     t = next_live_tile(trow, t, t1);
+#endif
 
     const TileBases base = tile_bases<T, D>(sQ, sK + wcol * D, sV + wcol * D, wrow, lane);
 

@@ -107,6 +107,27 @@ __device__ __forceinline__ int ds_chunk(int row, int chunk) {
 
 // ---- kernels
 
+// The key block's walk (fa2_tc_bwd, fa2_tc_bwd_wide): its Q-tile range t0..t1 under the band, and cls_of(gi, t), the
+// class of Q tile t of the group's query head gi (the walk skips EMPTY tiles). With a mask modifier and one query
+// head per block, t1 becomes the last live tile: the trailing EMPTY tiles (a document mask's later documents, the
+// packed backward of sandbox/varlen.py) are found 32 at a time (tiles.cuh last_live_tile) instead of by the walk's
+// serial scan, one dependent load each, which cost the packed backward 13-32% (H100, session 16).
+#ifdef FA_MODS
+#define BWD_TABLE_ROW(gi) mod_tile_index(mod_tile_b, tile_heads, b, hk * group + (gi))
+#else
+#define BWD_TABLE_ROW(gi) ((long long)(tile_heads == 1 ? 0 : hk * group + (gi)))
+#endif
+#ifdef FA_MASK_MOD
+#define BWD_LIVE_END if (group == 1) t1 = last_live_tile([&](int t) { return cls_of(0, t); }, t0, t1);
+#else
+#define BWD_LIVE_END
+#endif
+#define BWD_WALK_RANGE                                                                                   \
+    int t0, t1;                                                                                          \
+    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);                      \
+    auto cls_of = [&](int gi, int t) { return (int)tiles[(BWD_TABLE_ROW(gi) * nTr + t) * nTc + tc]; };  \
+    BWD_LIVE_END
+
 template <typename T, int D, int BR, int BC, int WARPS, int MK, int MINB, int R, bool DROPOUT, bool ATOMIC_DQ>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
 fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,     // [B, Hq, Nq, d]
@@ -147,6 +168,9 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const int col0 = tc * BC, wkey = warp * 16 * MK, wq = rg * 16, dch = d / 8;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
     const float scale_log2 = scale * LOG2E_F;
+#ifdef FA_MASK_MOD
+    BWD_WALK_RANGE                               // here, where few registers are live: below the dK, dV accumulators
+#endif                                           // the D = 128 build spilled 40 bytes (NVRTC 13, sm_90)
 
     // operand bases: K and V rows of this warp as A; Q and dO as B (S^T, dP^T) and as B^T (dV, dK);
     // K as B^T (dQ); dS^T as A^T (dQ): the K-style lane pattern of tile_bases, read with .trans
@@ -172,17 +196,9 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
         for (int n = 0; n < ND; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[mk][n][e] = dv[mk][n][e] = 0.0f;
-    int t0, t1;
-    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
-
-    // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
-    auto cls_of = [&](int gi, int t) {
-#ifdef FA_MODS
-        return (int)tiles[(mod_tile_index(mod_tile_b, tile_heads, b, hk * group + gi) * nTr + t) * nTc + tc];
-#else
-        return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
+#ifndef FA_MASK_MOD
+    BWD_WALK_RANGE                               // (with a mask modifier: at the top, above)
 #endif
-    };
     auto advance = [&](int& gi, int& t) {        // to the next non-empty (gi, t); false past the end
         if (t0 > t1) return false;
         do {
@@ -362,7 +378,11 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 #endif
     int t, t1;
     band_tiles(row0, min(row0 + BR, Nq) - 1, band_lo, band_hi, Nk, BC, t, t1);
+#ifdef FA_MASK_MOD
+    t = first_live_tile([trow](int u) { return (int)trow[u]; }, t, t1);      // as in fa2_tc.cu
+#else
     t = next_live_tile(trow, t, t1);
+#endif
 
     const TileBases qa = tile_bases<T, D>(sQ, sK, sV, wrow, lane);    // .q: Q as A, .k: K as B
     const TileBases da = tile_bases<T, D>(sdO, sV, sK, wrow, lane);   // .q: dO as A, .k: V as B, .v: K as B^T
@@ -610,17 +630,7 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
     for (int n = 0; n < NDW; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-    int t0, t1;
-    band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
-
-    // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped (as fa2_tc_bwd).
-    auto cls_of = [&](int gi, int t) {
-#ifdef FA_MODS
-        return (int)tiles[(mod_tile_index(mod_tile_b, tile_heads, b, hk * group + gi) * nTr + t) * nTc + tc];
-#else
-        return (int)tiles[((long long)(tile_heads == 1 ? 0 : hk * group + gi) * nTr + t) * nTc + tc];
-#endif
-    };
+    BWD_WALK_RANGE
     auto advance = [&](int& gi, int& t) {
         if (t0 > t1) return false;
         do {

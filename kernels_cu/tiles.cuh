@@ -34,3 +34,28 @@ __device__ __forceinline__ int next_live_tile(const signed char* cls, int t, int
     while (t <= t1 && cls[t * stride] == TILE_EMPTY) ++t;     // one head's table: int offsets
     return t;
 }
+
+// Warp-parallel scans for the runs of EMPTY tiles that a mask modifier leaves around the live ones (a document mask
+// over a packed batch: the other sequences' tiles, sandbox/varlen.py's backward), where next_live_tile's serial
+// scan costs a dependent load per skipped tile: 32 classes per step, one per lane, found by a ballot. Every lane of
+// the warp calls them, with the same arguments (a warp-uniform call). cls(t): tile t's class, t0 <= t <= t1.
+// The first live tile in [t0, t1], t1 + 1 if none (the forward's walk starts there: the earlier sequences' tiles).
+template <typename Cls>
+__device__ __forceinline__ int first_live_tile(Cls cls, int t0, int t1) {
+    const int lane = threadIdx.x & 31;
+    for (int t = t0; t <= t1; t += 32) {
+        const unsigned live = __ballot_sync(0xffffffffu, t + lane <= t1 && cls(t + lane) != TILE_EMPTY);
+        if (live) return t + __ffs(live) - 1;
+    }
+    return t1 + 1;
+}
+// The last live tile in [t0, t1], t0 - 1 if none (the backward's walk ends there: the later sequences' tiles).
+template <typename Cls>
+__device__ __forceinline__ int last_live_tile(Cls cls, int t0, int t1) {
+    const int lane = threadIdx.x & 31;
+    for (int t = t1; t >= t0; t -= 32) {
+        const unsigned live = __ballot_sync(0xffffffffu, t - lane >= t0 && cls(t - lane) != TILE_EMPTY);
+        if (live) return t - (__ffs(live) - 1);
+    }
+    return t0 - 1;
+}

@@ -294,3 +294,23 @@ def test_a_large_read_only_buffer_is_uploaded_once_and_freed_with_its_owner():
     uploads.clear()
     gc.collect()
     assert len(fa2_tc._BIG_COPIES) == before - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_document_mask_over_many_short_documents(dtype):
+    """A sorted document mask over ~90 packed documents (the packed backward's mask, sandbox/varlen.py): runs of EMPTY
+    tiles far longer than the 32 tiles of one warp-wide step of tiles.cuh's first_live_tile (the forward's leading
+    run, the earlier documents) and last_live_tile (the backward's trailing run, the later ones), with documents
+    shorter than a tile, one longer than several and empty gaps none; fa2-tc forward and backward against the
+    oracle, causal and not, with and without GQA (the backward narrows its walk for one query head per block only)."""
+    import cupy as cp
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([rng.integers(1, 70, 60), [700], rng.integers(1, 40, 30)])
+    ids = np.repeat(np.arange(lengths.size), lengths).astype(np.int32)
+    N = ids.size                                                       # about 4,000 rows: 60+ tiles of 64
+    bound = get_variant("fa2-tc")
+    for n, (opts, hkv) in enumerate((({"causal": True}, 2), ({}, 2), ({"causal": True}, 1))):
+        mm = M.document(cp.asarray(ids), sorted_ids=True)
+        case = fuzz.Case(1, 2, hkv, N, N, 64, dtype, dict(opts, mask_mod=mm), 30 + n)
+        fuzz.assert_case(bound, case, "backward")
