@@ -131,6 +131,9 @@ def _check_arrays(q, k, v, dropout_p, score_mod=None, mask_mod=None):
     if tuple(k.shape) != tuple(v.shape) or k.shape[2] != q.shape[2]:
         raise ValueError(f"k and v must share one shape (total_k, Hkv, d) with q's d; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    for x, nm in ((k, "k"), (v, "v")):
+        if dtype_name(x) != dtype_name(q):
+            raise TypeError(f"{nm} must have q's dtype {dtype_name(q)}; got {dtype_name(x)}")
     if dropout_p:
         raise ValueError("dropout_p > 0 is not supported for packed batches yet: the RNG contract keys each element by "
                          "its sequence index, which a per-sequence launch does not carry (sandbox/varlen.py)")
@@ -385,6 +388,9 @@ def _check_backward_shapes(dout, q, out, lse) -> None:
     if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
         raise ValueError(f"dout and out must be shaped like q {tuple(q.shape)}; got {tuple(dout.shape)} and "
                          f"{tuple(out.shape)}")
+    for x, nm in ((dout, "dout"), (out, "out")):     # before any launch: the row kernels size rows by q's dtype
+        if dtype_name(x) != dtype_name(q):
+            raise TypeError(f"{nm} must have q's dtype {dtype_name(q)}; got {dtype_name(x)}")
     if tuple(lse.shape) != (q.shape[1], q.shape[0]) or dtype_name(lse) != "float32":
         raise ValueError(f"lse must be float32 (Hq, total_q) = {(q.shape[1], q.shape[0])}; got {dtype_name(lse)} "
                          f"{tuple(lse.shape)}")
@@ -447,7 +453,9 @@ def _backward_document(dout, q, k, v, out, lse, cu, variant, causal, scale, wind
         g = api.backward(_view(dout_c, 0, n), q=_view(q_c, 0, n), k=_view(k_c, 0, n), v=_view(v_c, 0, n),
                          out=_view(out_c, 0, n), lse=lse_c[None], variant=variant, causal=causal, scale=scale,
                          window=window, mask_mod=mask, **params)
-    return tuple(arrays.like(_packed(x), kind) for x in g)
+        # in the caller's stream's scope: the gradients' packing copy is ordered after the backward's kernels, and
+        # torch's allocator holds its memory (outside, CuPy's own stream and pool would race them)
+        return tuple(_packed(arrays.like(x, kind)) for x in g)
 
 
 def document_inputs(cu, q, out, dout, k, v, lse):

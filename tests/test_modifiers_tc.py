@@ -296,21 +296,29 @@ def test_a_large_read_only_buffer_is_uploaded_once_and_freed_with_its_owner():
     assert len(fa2_tc._BIG_COPIES) == before - 1
 
 
+MANY_DOCUMENTS = [("fa2-tc", 64, {"causal": True}, 2, 1), ("fa2-tc", 64, {}, 2, 1), ("fa2-tc", 64, {"causal": True}, 1, 1),
+                  ("fa2-tc-deterministic", 64, {"causal": True}, 2, 1), ("fa2-tc", 256, {"causal": True}, 2, 1),
+                  ("fa2-tc", 128, {"causal": True}, 2, 2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_document_mask_over_many_short_documents(dtype):
+@pytest.mark.parametrize("name,d,opts,hkv,B", MANY_DOCUMENTS, ids=lambda x: str(x))
+def test_document_mask_over_many_short_documents(dtype, name, d, opts, hkv, B):
     """A sorted document mask over ~90 packed documents (the packed backward's mask, sandbox/varlen.py): runs of EMPTY
-    tiles far longer than the 32 tiles of one warp-wide step of tiles.cuh's first_live_tile (the forward's leading
-    run, the earlier documents) and last_live_tile (the backward's trailing run, the later ones), with documents
-    shorter than a tile, one longer than several and empty gaps none; fa2-tc forward and backward against the
-    oracle, causal and not, with and without GQA (the backward narrows its walk for one query head per block only)."""
+    tiles far longer than the 32 tiles of one warp-wide step of tiles.cuh's first_live_tile (the forwards' leading
+    run, the earlier documents: fa2_tc_forward, the deterministic dQ kernel) and last_live_tile (the backward's
+    trailing run, the later ones: fa2_tc_bwd, fa2_tc_bwd_wide at d = 256), with documents shorter than a tile and
+    one longer than several; against the oracle, causal and not, with and without GQA (the backward narrows its
+    walk for one query head per block only), and with other documents per batch entry (a [B]-row tile table)."""
     import cupy as cp
     rng = np.random.default_rng(5)
-    lengths = np.concatenate([rng.integers(1, 70, 60), [700], rng.integers(1, 40, 30)])
-    ids = np.repeat(np.arange(lengths.size), lengths).astype(np.int32)
-    N = ids.size                                                       # about 4,000 rows: 60+ tiles of 64
-    bound = get_variant("fa2-tc")
-    for n, (opts, hkv) in enumerate((({"causal": True}, 2), ({}, 2), ({"causal": True}, 1))):
-        mm = M.document(cp.asarray(ids), sorted_ids=True)
-        case = fuzz.Case(1, 2, hkv, N, N, 64, dtype, dict(opts, mask_mod=mm), 30 + n)
-        fuzz.assert_case(bound, case, "backward")
+    ids = []
+    for _ in range(B):
+        lengths = np.concatenate([rng.integers(1, 70, 60), [700], rng.integers(1, 40, 30)])
+        ids.append(np.repeat(np.arange(lengths.size), lengths)[:3600])
+    ids = np.stack([x if x.size == 3600 else np.pad(x, (0, 3600 - x.size), mode="edge") for x in ids])
+    N = ids.shape[1]                                                   # 3,600 rows: 57 tiles of 64
+    mm = M.document(cp.asarray(ids.astype(np.int32)), sorted_ids=True)
+    case = fuzz.Case(B, 2, hkv, N, N, d, dtype, dict(opts, mask_mod=mm), 30 + d + B)
+    fuzz.assert_case(get_variant(name), case, "backward")

@@ -88,6 +88,22 @@ def test_checks_before_any_launch(cu_q, cu_k, kwargs, err, match):
         varlen.forward(q, k, v, cu_q, cu_k, variant=VARIANT, **kwargs)
 
 
+@pytest.mark.parametrize("which", ["k", "v", "out", "dout"])
+def test_dtypes_are_checked_before_any_launch(which):
+    """k, v, out and dout in q's dtype, refused by name before any launch: the packed backward's row kernel sizes every
+    row by q's dtype (kernels_cu/varlen_rows.cu), and would read and write past the narrower arrays' rows."""
+    q, k, v, dout = _packed([0, 8], [0, 8])
+    out = np.zeros_like(q)
+    lse = np.zeros((q.shape[1], q.shape[0]), np.float32)
+    arrs = {"q": q, "k": k, "v": v, "out": out, "dout": dout}
+    arrs[which] = arrs[which].astype(np.float32 if arrs[which].dtype != np.float32 else np.float16)
+    with pytest.raises(TypeError, match=f"{which} must have q's dtype"):
+        if which in ("k", "v"):
+            varlen.forward(arrs["q"], arrs["k"], arrs["v"], [0, 8], [0, 8], variant=VARIANT)
+        else:
+            varlen.backward(arrs["dout"], q, k, v, arrs["out"], lse, [0, 8], [0, 8], variant=VARIANT)
+
+
 def test_packed_shapes_are_checked():
     q, k, v, _ = _packed([0, 8], [0, 8])
     with pytest.raises(ValueError, match="packed"):

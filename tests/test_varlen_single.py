@@ -432,8 +432,8 @@ def test_self_attention_backward_with_device_offsets_waits_for_nothing():
     q0, k0, v0 = _torch_packed(cu, cu, 8, 2, 128, "bfloat16", seed=12)
     base = torch.tensor(cu, dtype=torch.int32, device="cuda")
 
-    def step(offsets, offsets_k=None):
-        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+    def step(offsets, offsets_k=None, gain=1.0):
+        q, k, v = ((gain * x).detach().requires_grad_() for x in (q0, k0, v0))
         out = st.varlen_attention(q, k, v, offsets, offsets if offsets_k is None else offsets_k, 700, 700, causal=True)
         out.backward(torch.ones_like(out))
         return q.grad, k.grad, v.grad
@@ -444,7 +444,9 @@ def test_self_attention_backward_with_device_offsets_waits_for_nothing():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         cu_dev = torch.zeros_like(base)
-        step(base)                                                 # the side stream's pools warm
+        # the side stream's pools warm, with other gradients: a copy of the result that raced the backward on another
+        # stream (or from another pool) would read these instead (review, session 16)
+        step(base, gain=0.5)
         torch.cuda._sleep(200_000_000)
         cu_dev.copy_(base)
         got = step(cu_dev)
