@@ -73,6 +73,7 @@ import functools
 import hashlib
 import inspect
 import math
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -105,12 +106,21 @@ def _callable(value, what, optional=False):
     return value
 
 
+_SCALAR_FORMS_OK = weakref.WeakSet()     # scalar forms already checked: a modifier made per call (a packed batch's
+                                         # document mask, a model's dense mask) skips inspect.signature's ~50 us
+
+
 def _scalar_form(value, what, optional=False):
     """A scalar form: callable, with named positional parameters only. Numba's CUDA inliner refuses
     *args and **kwargs (NotImplementedError "Stararg not supported in inliner"); the CUDA simulator
     runs plain Python and would accept them, so the rule is checked here, on every machine."""
     if _callable(value, what, optional) is None:
         return None
+    try:
+        if value in _SCALAR_FORMS_OK:
+            return value
+    except TypeError:                        # not weakly referenceable, or unhashable: checked every time
+        pass
     try:
         params = inspect.signature(value).parameters.values()
     except (TypeError, ValueError):          # a builtin or a Numba dispatcher: nothing to read
@@ -120,6 +130,10 @@ def _scalar_form(value, what, optional=False):
     if star:
         raise TypeError(f"{what}: the Numba CUDA kernels call it with one positional argument per index and "
                         f"buffer; {star[0]} is not supported there (name each parameter)")
+    try:
+        _SCALAR_FORMS_OK.add(value)
+    except TypeError:
+        pass
     return value
 
 

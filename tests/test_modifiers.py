@@ -86,6 +86,21 @@ def test_modifier_arguments_are_validated(make, error, match):
         make()
 
 
+def test_a_checked_scalar_form_is_remembered_and_a_refused_one_is_not():
+    """_scalar_form remembers the forms it has read (a modifier made per call skips inspect.signature) and never the
+    ones it refused: the same *args function is refused every time."""
+    from sandbox.modifiers import _SCALAR_FORMS_OK
+
+    def bad(s, b, h, i, j, *bufs):
+        return s
+    for _ in range(2):
+        with pytest.raises(TypeError, match=r"scalar: .*\*bufs"):
+            ScoreMod("x", _quad_np, bad, "s")
+    assert bad not in _SCALAR_FORMS_OK
+    ScoreMod("x", _quad_np, _quad_scalar, "s")
+    assert _quad_scalar in _SCALAR_FORMS_OK
+
+
 @pytest.mark.parametrize("kw,error,match", [
     ({"score_mod": "softcap"}, TypeError, "score_mod must be"),
     ({"mask_mod": modifiers.softcap(1.0)}, TypeError, "mask_mod must be"),
