@@ -17,6 +17,17 @@ Rows per (mix, causal), each through sandbox entry points on CuPy arrays:
 FLOPs: 4 d sum(Nq_s Nk_s) per head (halved, less the diagonal's half, with causal), real tokens only,
 for every row, padded ones included.
 
+Training rows (--directions train): a training step's attention as a PyTorch user runs it, forward and backward
+through autograd (sandbox.torch.varlen_attention, torch fp16 tensors, dout random), 3.5x the forward's FLOPs (the
+backward counted as 2.5x, as in the FA2 paper):
+- train-device: cu_seqlens one int32 CUDA tensor for queries and keys (transformers' padding-free batches): the
+                one-launch forward reading the offsets on the device and the backward of packed self-attention
+                under a document mask, neither waiting for the stream (sandbox/varlen.py);
+- train-host:   the offsets as a host list: the same forward from host tables, one backward per sequence;
+- train-torch:  torch.nn.attention.varlen.varlen_attn through autograd where PyTorch has it, else SDPA (flash
+                backend) on the padded batch.
+Their check: dq, dk, dv of each sequence against the float64 oracle's backward under the tolerance rule.
+
 Check before timing (bench.harness.check_then_time): each row's call on a small packed batch (lengths
 1, 37, 128, 300) against the float64 oracle per sequence
 under the tolerance rule (the same-precision naive reference); the padded rows on 3 sequences of 200.
@@ -26,7 +37,7 @@ A failing row is not timed. Timing, two clocks:
 - host (host_ms): the median wall-clock of --reps calls, each synchronised after (CUDA idle before):
   the time a Python caller waits, the host's table building and launches included.
 
-    python -m bench varlen [--mixes 64:64-2048,16:1024-8192] [--causal 0,1] [--reps 10]
+    python -m bench varlen [--mixes 64:64-2048,16:1024-8192] [--causal 0,1] [--directions forward,train] [--reps 10]
 """
 from __future__ import annotations
 
@@ -44,6 +55,8 @@ from .harness import check_then_time, worst
 
 H, D, DTYPE = 16, 128, "float16"
 METHODS = ("single", "per-seq", "padded", "torch")
+TRAIN_METHODS = ("train-device", "train-host", "train-torch")
+TRAIN_FLOPS = 3.5                  # forward + backward over the forward's FLOPs (the backward as 2.5x)
 
 
 def series() -> list[str]:
@@ -54,7 +67,8 @@ def series() -> list[str]:
 def plan() -> list[dict]:
     return [selection.row("varlen", n, DTYPE, D, "forward",
                           f"packed batches (64 x 64-2k, 16 x 1k-8k), H = {H}, causal and not: {', '.join(METHODS)} "
-                          "(single launch, per sequence, padded, PyTorch varlen or padded SDPA)") for n in series()]
+                          "(single launch, per sequence, padded, PyTorch varlen or padded SDPA); training steps: "
+                          f"{', '.join(TRAIN_METHODS)}") for n in series()]
 
 
 def parse_mix(text: str) -> tuple[int, int, int]:
@@ -140,6 +154,69 @@ def _calls(name, method, q, k, v, cu, causal):
     return sdpa
 
 
+def _train_calls(name, method, q, k, v, cu, causal, dout):
+    """A zero-argument callable running a training step's attention (forward + backward through autograd) with
+    `method` on the packed batch, returning the packed (dq, dk, dv); a ValueError saying why not."""
+    torch = _torch()
+    if torch is None:
+        raise ValueError("PyTorch with CUDA not available")
+    import sandbox.torch as st
+    tq, tk, tv, td = (torch.from_dlpack(x) for x in (q, k, v, dout))
+    n = int(np.diff(cu).max())
+    if method in ("train-device", "train-host"):
+        offsets = torch.as_tensor(cu, dtype=torch.int32, device="cuda") if method == "train-device" else \
+            [int(c) for c in cu]
+
+        def step():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            st.varlen_attention(qq, kk, vv, offsets, offsets, n, n, variant=name, causal=causal).backward(td)
+            return qq.grad, kk.grad, vv.grad
+        return step
+    fn = _torch_varlen()
+    if fn is not None:
+        tcu = torch.as_tensor(cu, dtype=torch.int32, device="cuda")
+
+        def varlen_step():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (tq, tk, tv))
+            fn(qq, kk, vv, tcu, tcu, n, n, window_size=(-1, 0) if causal else (-1, -1)).backward(td)
+            return qq.grad, kk.grad, vv.grad
+        return varlen_step
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    pq, pk, pv, pd = (torch.from_dlpack(_padded(x, cu)) for x in (q, k, v, dout))
+    lens = np.diff(cu)
+
+    def sdpa_step():
+        qq, kk, vv = (x.detach().requires_grad_() for x in (pq, pk, pv))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, is_causal=causal).backward(pd)
+        return tuple(torch.cat([g[s, :, :m].transpose(0, 1) for s, m in enumerate(lens)]) for g in
+                     (qq.grad, kk.grad, vv.grad))
+    return sdpa_step
+
+
+def _check_train(name, method, causal):
+    """(ok, worst verdict) of a training step's gradients on a small batch, per sequence against the oracle."""
+    import cupy as cp
+    padded = method == "train-torch" and _torch_varlen() is None
+    lens = [200, 200, 200] if padded else [1, 37, 128, 300]
+    q, k, v, cu = _pack(lens, seed=2)
+    dout = cp.random.default_rng(3).standard_normal(q.shape, dtype=cp.float32).astype(cp.float16)
+    grads = [cp.asnumpy(cp.from_dlpack(g.contiguous())).astype(np.float64)
+             for g in _train_calls(name, method, q, k, v, cu, causal, dout)()]
+    qn, kn, vn, dn = (x.get().astype(np.float64) for x in (q, k, v, dout))
+    verdicts = []
+    for s in range(len(lens)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        args = [x[a:b].transpose(1, 0, 2)[None] for x in (dn, qn, kn, vn)]
+        ref = oracle.backward(*args, causal=causal)
+        naive = oracle.backward(*args, precision=DTYPE, causal=causal)
+        for g, r, nv, nm in zip(grads, ref, naive, ("dq", "dk", "dv")):
+            verdicts.append(tolerance.compare(f"{name} {method} {nm}[{s}]", g[a:b].transpose(1, 0, 2)[None], r, DTYPE,
+                                              nv, role="grad"))
+    v = worst(verdicts)
+    return v.ok, v
+
+
 def torch_label() -> str:
     return "torch varlen_attn" if _torch_varlen() is not None else "SDPA flash, padded"
 
@@ -191,29 +268,36 @@ def _host_ms(fn, reps: int) -> float:
     return float(np.median(samples))
 
 
-def run(name: str, mixes, causals, reps: int) -> list[dict]:
+def run(name: str, mixes, causals, reps: int, directions=("forward",)) -> list[dict]:
     import cupy as cp
     rows, checked = [], {}
+    methods = [m for d, ms in (("forward", METHODS), ("train", TRAIN_METHODS)) if d in directions for m in ms]
     for S, lo, hi in mixes:
         lens = lengths(S, lo, hi)
         q, k, v, cu = _pack(lens)
+        dout = cp.random.default_rng(5).standard_normal(q.shape, dtype=cp.float32).astype(cp.float16)
         for causal in causals:
-            fl = flops(lens, causal)
-            for method in METHODS:
+            for method in methods:
+                train = method in TRAIN_METHODS
+                fl = flops(lens, causal) * (TRAIN_FLOPS if train else 1.0)
                 key = (method, causal)
-                base = {"variant": name, "method": method, "mix": f"{S}:{lo}-{hi}", "S": S, "tokens": int(cu[-1]),
-                        "max_len": max(lens), "H": H, "d": D, "dtype": DTYPE, "causal": causal, "flops": fl,
-                        "baseline": torch_label() if method == "torch" else ""}
+                base = {"variant": name, "method": method, "direction": "train" if train else "forward",
+                        "mix": f"{S}:{lo}-{hi}", "S": S, "tokens": int(cu[-1]), "max_len": max(lens), "H": H, "d": D,
+                        "dtype": DTYPE, "causal": causal, "flops": fl,
+                        "baseline": torch_label() if method in ("torch", "train-torch") else ""}
 
                 def check(key=key):
                     if key not in checked:
-                        checked[key] = _check(name, key[0], key[1])
+                        checked[key] = (_check_train if key[0] in TRAIN_METHODS else _check)(name, key[0], key[1])
                     return checked[key]
-                t = check_then_time(check, lambda m=method: _calls(name, m, q, k, v, cu, causal), reps,
-                                    rejects=(ValueError, RuntimeError, TypeError))
+
+                def calls(m=method):
+                    return _train_calls(name, m, q, k, v, cu, causal, dout) if m in TRAIN_METHODS else \
+                        _calls(name, m, q, k, v, cu, causal)
+                t = check_then_time(check, calls, reps, rejects=(ValueError, RuntimeError, TypeError))
                 row = {**base, "status": t["status"]}
                 if "ms" in t:
-                    fn = _calls(name, method, q, k, v, cu, causal)
+                    fn = calls()
                     row.update(ms=t["ms"], p10_ms=t["p10_ms"], p90_ms=t["p90_ms"], TFLOPs=fl / t["ms"] / 1e9,
                                host_ms=_host_ms(fn, reps))
                     row["host_TFLOPs"] = fl / row["host_ms"] / 1e9
@@ -221,21 +305,24 @@ def run(name: str, mixes, causals, reps: int) -> list[dict]:
                 print(f"  {name} {row['mix']:14s} causal={int(causal)} {method:8s} " + (
                     f"kernel {row['ms']:8.3f} ms {row['TFLOPs']:6.1f} TFLOP/s  host {row['host_ms']:8.3f} ms"
                     if "ms" in row else row["status"]), flush=True)
-            single = next((r for r in rows[-len(METHODS):] if r["method"] == "single" and "ms" in r), None)
-            for r in rows[-len(METHODS):]:
-                if single is not None and "ms" in r:
-                    r["single_speedup"] = r["ms"] / single["ms"]
-                    r["single_host_speedup"] = r["host_ms"] / single["host_ms"]
-        q = k = v = None
+            for ref_method, group in (("single", METHODS), ("train-device", TRAIN_METHODS)):
+                mine = [r for r in rows[-len(methods):] if r["method"] in group]
+                single = next((r for r in mine if r["method"] == ref_method and "ms" in r), None)
+                for r in mine:
+                    if single is not None and "ms" in r:
+                        r["single_speedup"] = r["ms"] / single["ms"]
+                        r["single_host_speedup"] = r["host_ms"] / single["host_ms"]
+        q = k = v = dout = None
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
 
 def markdown(rows) -> str:
     out = [f"Packed variable-length batches (H = {H}, d = {D}, fp16; TFLOP/s of the real tokens' work): the "
-           "single launch against one launch per sequence, the padded batch and PyTorch. kernel: CUDA events "
+           "single launch against one launch per sequence, the padded batch and PyTorch; train rows: forward + "
+           f"backward through autograd ({TRAIN_FLOPS}x the forward's FLOPs). kernel: CUDA events "
            "(device time); host: wall clock of a synchronised call. `x single`: the row's time over the single "
-           "launch's (above 1: the single launch is faster)", "",
+           "launch's, or over train-device's for train rows (above 1: that row is slower)", "",
            "| variant | mix | causal | method | kernel ms | TFLOP/s | host ms | host TFLOP/s | x single (kernel) | "
            "x single (host) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -256,16 +343,17 @@ def plot(data, path) -> None:
     from .plots import _figure, _finish
     plt, fig, (ax,) = _figure()
     rows = [r for r in data["rows"] if "ms" in r]
-    groups = list(dict.fromkeys((r["mix"], r["causal"]) for r in rows))
+    group_of = lambda r: (r["mix"], r["causal"], r.get("direction", "forward"))   # noqa: E731
+    groups = list(dict.fromkeys(group_of(r) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     width = 0.8 / max(1, 2 * len(methods))
     for m_i, m in enumerate(methods):
         for c_i, (key, hatch) in enumerate((("TFLOPs", None), ("host_TFLOPs", "//"))):
-            ys = [next((r[key] for r in rows if (r["mix"], r["causal"]) == g and r["method"] == m), 0) for g in groups]
+            ys = [next((r[key] for r in rows if group_of(r) == g and r["method"] == m), 0) for g in groups]
             xs = [i + (2 * m_i + c_i) * width for i in range(len(groups))]
             ax.bar(xs, ys, width, hatch=hatch, color=f"C{m_i}", label=f"{m} {'kernel' if c_i == 0 else 'host'}")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{g[0]}\n{'causal' if g[1] else 'full'}" for g in groups], fontsize=7)
+    ax.set_xticklabels([f"{g[0]}\n{'causal' if g[1] else 'full'}\n{g[2]}" for g in groups], fontsize=7)
     ax.set_ylabel("TFLOP/s (real tokens)")
     ax.legend(fontsize=6)
     _finish(plt, fig, data["meta"], "Packed variable-length batches", path)
@@ -274,12 +362,14 @@ def plot(data, path) -> None:
 def add_arguments(ap):
     ap.add_argument("--mixes", type=csv_of(), default=("64:64-2048", "16:1024-8192"))
     ap.add_argument("--causal", type=csv_of(kind=int, allowed=(0, 1)), default=(0, 1))
+    ap.add_argument("--directions", type=csv_of(allowed=("forward", "train")), default=("forward", "train"),
+                    help="forward rows, and training-step rows (forward + backward through autograd)")
 
 
 def main(args, out: Path):
     mixes = [parse_mix(m) for m in args.mixes]
     causals = [bool(c) for c in args.causal]
-    rows = [r for name in series() for r in run(name, mixes, causals, args.reps)]
+    rows = [r for name in series() for r in run(name, mixes, causals, args.reps, args.directions)]
     meta = stamp(variants=series(), H=H, d=D, torch_baseline=torch_label())
     write(out, "varlen", "varlen", meta, rows, markdown(rows))
     try:

@@ -200,7 +200,7 @@ def test_write_stamps_every_output(tmp_path, monkeypatch):
     (["grid", "--baselines", "flashy"], "flashy"), (["grid", "--seqlens", "1024,abc"], "abc"),
     (["variants", "--shapes", "exact,fp8"], "fp8"), (["blocksparse", "--densities", "0.5,1.5"], "1.5"), (["blocksparse", "--densities", "0"], "outside"),
     (["io", "--sweep", "0"], "'0'"), (["softmax", "--backends", "triton"], "triton"),
-    (["modifiers", "--cases", "softcap,alibis"], "alibis"),
+    (["modifiers", "--cases", "softcap,alibis"], "alibis"), (["varlen", "--directions", "forward,backward"], "backward"),
 ])
 def test_bad_options_are_rejected_before_anything_runs(argv, bad, capsys):
     from bench.__main__ import main
@@ -256,3 +256,22 @@ def test_modifiers_plot_draws_bars_for_one_length_and_lines_for_several(tmp_path
     rows += [dict(r, N=8192) for r in rows if "fwd_overhead" in r]
     mb.plot({"meta": meta, "rows": rows}, tmp_path / "lines.png")
     assert (tmp_path / "bars.png").stat().st_size > 10_000 and (tmp_path / "lines.png").stat().st_size > 10_000
+
+
+def test_varlen_table_and_plot_keep_training_rows_apart(tmp_path):
+    """The varlen family's training-step rows (forward + backward through autograd) are compared with the
+    device-offsets row of their own group, not with the forward's single launch, and plotted as groups of their own."""
+    from bench import varlen_bench as vb
+    base = {"variant": "v", "mix": "8:1-9", "causal": True, "flops": 1e9, "baseline": ""}
+    rows = [{**base, "method": m, "direction": d, "status": "ok", "ms": ms, "TFLOPs": 1.0, "host_ms": ms,
+             "host_TFLOPs": 1.0} for m, d, ms in (("single", "forward", 1.0), ("per-seq", "forward", 2.0),
+                                                 ("train-device", "train", 4.0), ("train-host", "train", 6.0))]
+    for group, ref in ((rows[:2], 1.0), (rows[2:], 4.0)):
+        for r in group:
+            r["single_speedup"] = r["host_ms"] / ref
+            r["single_host_speedup"] = r["host_ms"] / ref
+    md = vb.markdown(rows)
+    assert "| train-host | 6.000 |" in md and "| 1.50x | 1.50x |" in md and "train rows" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        vb.plot({"meta": common.stamp(), "rows": rows}, tmp_path / "varlen.png")
+        assert (tmp_path / "varlen.png").stat().st_size > 5000
