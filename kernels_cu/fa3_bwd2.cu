@@ -182,6 +182,19 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
 #endif
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
+#ifdef FA_MASK_MOD
+    // With a mask modifier and one query head per block the walk ends at the last live Q tile, found 32 tiles at a
+    // time (tiles.cuh last_live_tile) instead of by advance's serial scan, one dependent load per trailing EMPTY tile
+    // (a document mask's later documents: the packed backward of sandbox/varlen.py); here, as in fa2_tc_bwd, where
+    // few registers are live.
+    int live_end;
+    {
+        int a, z;
+        band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, a, z);
+        const signed char* col = tiles + mod_tile_index(mod_tile_b, tile_heads, b, hk * group) * nTr * nTc + tc;
+        live_end = group == 1 ? last_live_tile([col, nTc](int t) { return (int)col[(long long)t * nTc]; }, a, z) : z;
+    }
+#endif
 
     load_panels_async<BC, D, THREADS>(sK, K + b * k_sb + hk * k_sh, k_sm, col0, Nk, dch);
     load_panels_async<BC, D, THREADS>(sV, V + b * v_sb + hk * v_sh, v_sm, col0, Nk, dch);
@@ -194,6 +207,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         for (int e = 0; e < 4; ++e) dk[0][n][e] = dv[0][n][e] = 0.0f;
     int t0, t1;
     band_row_tiles(col0, min(col0 + BC, Nk) - 1, band_lo, band_hi, Nq, BR, t0, t1);
+#ifdef FA_MASK_MOD
+    t1 = live_end;
+#endif
 
     // The work list: Q tiles t0..t1 of every query head of the group, EMPTY tiles skipped.
     auto cls_of = [&](int gi, int t) {

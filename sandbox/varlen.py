@@ -177,7 +177,8 @@ def _fill(x, value) -> None:
 def default_variant(q, params=None) -> str:
     """variant=None for a packed batch: the dtype's DEFAULT_VARIANTS entry (fa2-tc for fp16 / bf16, whose
     packed-sequence kernel takes the batch in one launch) up to its head dims, past them api.default_variant
-    (fa3 on an sm_90 GPU); one name for the forward and the backward of a call."""
+    (fa3 on an sm_90 GPU); one name for the forward and the per-sequence backward of a call (the one-call backward
+    of packed self-attention takes api.default_variant's: `backward`)."""
     name = api.DEFAULT_VARIANTS.get(dtype_name(q), api.DEFAULT_VARIANT)
     if name == "fa2-tc" and q.shape[-1] > SINGLE_LAUNCH_MAX_D:
         return api.default_variant(q, params)
@@ -354,13 +355,20 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
              variant=None, causal=False, scale=None, dropout_p=0.0, window=None, single_launch=True, **params):
     """(dq, dk, dv) like q, k, v, from either forward path's out and lse (the same layout): with one GPU offsets
     array for queries and keys, one backward under a document mask made on the device (no wait; module
-    docstring), else the explicit-form backward of each sequence. single_launch=False: always per sequence."""
+    docstring), else the explicit-form backward of each sequence. single_launch=False: always per sequence.
+    variant=None: the packed default (default_variant) per sequence; the one-call backward takes api.default_variant's
+    (fa3 on an sm_90 GPU, fa2-tc elsewhere for fp16 / bf16)."""
+    named = variant
     variant = default_variant(q, params) if variant is None else variant
-    if (single_launch and dropout_p == 0 and q.shape[0] == k.shape[0]
-            and _one_offsets_array(q, cu_seqlens_q, cu_seqlens_k) and _document_variant(q, k, v, variant, params)):
-        _check_arrays(q, k, v, dropout_p)
-        _check_backward_shapes(dout, q, out, lse)
-        return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, variant, causal, scale, window, params)
+    if single_launch and dropout_p == 0 and q.shape[0] == k.shape[0] and _one_offsets_array(q, cu_seqlens_q, cu_seqlens_k):
+        # one backward call over the packed rows: variant=None means what it means for api.backward (fa3 on an sm_90
+        # GPU, whose wgmma backward under the document mask took 37-54% less time than fa2-tc's at 8 x 2048 and
+        # 4 x 4096, H100, session 16), not the packed forward's fa2-tc
+        doc = api.default_variant(q, params) if named is None else variant
+        if _document_variant(q, k, v, doc, params):
+            _check_arrays(q, k, v, dropout_p)
+            _check_backward_shapes(dout, q, out, lse)
+            return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, doc, causal, scale, window, params)
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
     _check_backward_shapes(dout, q, out, lse)

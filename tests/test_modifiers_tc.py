@@ -298,7 +298,7 @@ def test_a_large_read_only_buffer_is_uploaded_once_and_freed_with_its_owner():
 
 MANY_DOCUMENTS = [("fa2-tc", 64, {"causal": True}, 2, 1), ("fa2-tc", 64, {}, 2, 1), ("fa2-tc", 64, {"causal": True}, 1, 1),
                   ("fa2-tc-deterministic", 64, {"causal": True}, 2, 1), ("fa3", 256, {"causal": True}, 2, 1),
-                  ("fa2-tc", 128, {"causal": True}, 2, 2)]
+                  ("fa2-tc", 128, {"causal": True}, 2, 2), ("fa3", 128, {"causal": True}, 2, 1)]
 
 
 @pytest.mark.gpu
@@ -308,7 +308,8 @@ def test_document_mask_over_many_short_documents(dtype, name, d, opts, hkv, B):
     """A sorted document mask over ~90 packed documents (the packed backward's mask, sandbox/varlen.py): runs of EMPTY
     tiles far longer than the 32 tiles of one warp-wide step of tiles.cuh's first_live_tile (the forwards' leading
     run, the earlier documents: fa2_tc_forward, the deterministic dQ kernel) and last_live_tile (the backward's
-    trailing run, the later ones: fa2_tc_bwd, and fa2_tc_bwd_wide under fa3 at d = 256, where fa2-tc stops at 128),
+    trailing run, the later ones: fa2_tc_bwd, fa3's wgmma backward fa3_bwd2 at d = 128, and fa2_tc_bwd_wide under fa3
+    at d = 256, where fa2-tc stops at 128),
     with documents shorter than a tile and
     one longer than several; against the oracle, causal and not, with and without GQA (the backward narrows its
     walk for one query head per block only), and with other documents per batch entry (a [B]-row tile table)."""
