@@ -448,19 +448,24 @@ def test_self_attention_backward_with_device_offsets_waits_for_nothing():
         # stream (or from another pool) would read these instead (review, session 16)
         step(base, gain=0.5)
         torch.cuda._sleep(200_000_000)
+        slept = torch.cuda.Event()
+        slept.record(side)                                         # done when the sleep is: whether the host waited
         cu_dev.copy_(base)
         got = step(cu_dev)
-        busy = not side.query()
+        waited = slept.query()
     side.synchronize()
-    assert busy, "the forward or the backward waited for the stream"
+    assert not waited, "the forward or the backward waited for the stream"
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)
+        slept = torch.cuda.Event()
+        slept.record(side)
         step(base, base.clone())                                   # two arrays: the per-sequence backward
-        busy = not side.query()
+        # (not side.query(): the kernels queued after its host copy may still run, on a GPU other processes share)
+        waited = slept.query()
     side.synchronize()
-    assert not busy, "two offsets arrays were expected to take the per-sequence backward (a host copy)"
+    assert waited, "two offsets arrays were expected to take the per-sequence backward (a host copy)"
 
 
 def test_copy_width_divides_every_row_and_pointer():
