@@ -560,7 +560,7 @@ def test_self_attention_backward_outside_its_envelope():
 @pytest.mark.gpu
 def test_the_one_call_backward_takes_the_api_default_variant(monkeypatch):
     """variant=None: the one-call backward of packed self-attention runs api.default_variant's backward (fa3 on an
-    sm_90 GPU: its wgmma backward under the document mask, 37-54% faster than fa2-tc's on the H100), while a named
+    sm_90 GPU: its wgmma backward under the document mask, 34-60% less time than fa2-tc's on the H100), while a named
     variant is kept; the gradients of both agree with the per-sequence backward's."""
     torch = pytest.importorskip("torch")
     from sandbox import api
