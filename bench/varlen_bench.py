@@ -305,16 +305,22 @@ def run(name: str, mixes, causals, reps: int, directions=("forward",)) -> list[d
                 print(f"  {name} {row['mix']:14s} causal={int(causal)} {method:8s} " + (
                     f"kernel {row['ms']:8.3f} ms {row['TFLOPs']:6.1f} TFLOP/s  host {row['host_ms']:8.3f} ms"
                     if "ms" in row else row["status"]), flush=True)
-            for ref_method, group in (("single", METHODS), ("train-device", TRAIN_METHODS)):
-                mine = [r for r in rows[-len(methods):] if r["method"] in group]
-                single = next((r for r in mine if r["method"] == ref_method and "ms" in r), None)
-                for r in mine:
-                    if single is not None and "ms" in r:
-                        r["single_speedup"] = r["ms"] / single["ms"]
-                        r["single_host_speedup"] = r["host_ms"] / single["host_ms"]
+            relative_times(rows[-len(methods):])
         q = k = v = dout = None
         cp.get_default_memory_pool().free_all_blocks()
     return rows
+
+
+def relative_times(rows) -> None:
+    """Each timed row's kernel and host time over its group's reference row, in place (single_speedup,
+    single_host_speedup): the forward rows over `single`'s, the training rows over `train-device`'s."""
+    for ref_method, group in (("single", METHODS), ("train-device", TRAIN_METHODS)):
+        mine = [r for r in rows if r["method"] in group]
+        ref = next((r for r in mine if r["method"] == ref_method and "ms" in r), None)
+        for r in mine:
+            if ref is not None and "ms" in r:
+                r["single_speedup"] = r["ms"] / ref["ms"]
+                r["single_host_speedup"] = r["host_ms"] / ref["host_ms"]
 
 
 def markdown(rows) -> str:

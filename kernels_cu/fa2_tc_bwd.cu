@@ -111,7 +111,7 @@ __device__ __forceinline__ int ds_chunk(int row, int chunk) {
 // class of Q tile t of the group's query head gi (the walk skips EMPTY tiles). With a mask modifier and one query
 // head per block, t1 becomes the last live tile: the trailing EMPTY tiles (a document mask's later documents, the
 // packed backward of sandbox/varlen.py) are found 32 at a time (tiles.cuh last_live_tile) instead of by the walk's
-// serial scan, one dependent load each, which cost the packed backward 13-32% (H100, session 16).
+// serial scan, one dependent load each, which cost the packed backward 10-34% at d = 128 (H100, session 16).
 #ifdef FA_MODS
 #define BWD_TABLE_ROW(gi) mod_tile_index(mod_tile_b, tile_heads, b, hk * group + (gi))
 #else

@@ -365,9 +365,7 @@ def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=N
         # GPU, whose wgmma backward under the document mask took 34-60% less time than fa2-tc's at 64 x 256 to
         # 4 x 4096, H100, session 16), not the packed forward's fa2-tc
         doc = api.default_variant(q, params) if named is None else variant
-        if _document_variant(q, k, v, doc, params):
-            _check_arrays(q, k, v, dropout_p)
-            _check_backward_shapes(dout, q, out, lse)
+        if _document_variant(q, k, v, doc, params):     # document_inputs checks the arrays before its launch
             return _backward_document(dout, q, k, v, out, lse, cu_seqlens_q, doc, causal, scale, window, params)
     lq, lk = _check(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                     params.get("score_mod"), params.get("mask_mod"))
@@ -470,7 +468,13 @@ def document_inputs(cu, q, out, dout, k, v, lse):
     """The document backward's inputs, made by one launch on the current stream (kernels_cu/varlen_rows.cu): C-contiguous
     CuPy copies of q, out, dout (n, Hq, d) and k, v (n, Hkv, d) with the rows that take no part zeroed, the query and
     key ids (int32 [n]) and lse [Hq, n] with -inf in those query rows (_backward_document). cu: the S + 1 offsets on
-    the device (contiguous int32 / int64), q and k of n rows each."""
+    the device (contiguous int32 / int64), q and k of n rows each; checked here (before the launch, whose rows are
+    sized by q's dtype and k's heads) with the checks the varlen entry points run."""
+    _check_device_offsets(cu, cu, None, None)
+    _check_arrays(q, k, v, 0.0)
+    _check_backward_shapes(dout, q, out, lse)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"document_inputs: q and k must have as many packed rows; got {q.shape[0]} and {k.shape[0]}")
     import cupy as cp
     from .launch import i32, i64
     from .loader import launch

@@ -263,15 +263,16 @@ def test_varlen_table_and_plot_keep_training_rows_apart(tmp_path):
     device-offsets row of their own group, not with the forward's single launch, and plotted as groups of their own."""
     from bench import varlen_bench as vb
     base = {"variant": "v", "mix": "8:1-9", "causal": True, "flops": 1e9, "baseline": ""}
-    rows = [{**base, "method": m, "direction": d, "status": "ok", "ms": ms, "TFLOPs": 1.0, "host_ms": ms,
+    rows = [{**base, "method": m, "direction": d, "status": "ok", "ms": ms, "TFLOPs": 1.0, "host_ms": 2 * ms,
              "host_TFLOPs": 1.0} for m, d, ms in (("single", "forward", 1.0), ("per-seq", "forward", 2.0),
                                                  ("train-device", "train", 4.0), ("train-host", "train", 6.0))]
-    for group, ref in ((rows[:2], 1.0), (rows[2:], 4.0)):
-        for r in group:
-            r["single_speedup"] = r["host_ms"] / ref
-            r["single_host_speedup"] = r["host_ms"] / ref
+    rows.append({**base, "method": "train-torch", "direction": "train", "status": "skipped: no torch"})
+    vb.relative_times(rows)
+    assert [r.get("single_speedup") for r in rows] == [1.0, 2.0, 1.0, 1.5, None]
+    assert [r.get("single_host_speedup") for r in rows] == [1.0, 2.0, 1.0, 1.5, None]
     md = vb.markdown(rows)
     assert "| train-host | 6.000 |" in md and "| 1.50x | 1.50x |" in md and "train rows" in md
+    assert "| train-torch | skipped: no torch" in md
     if importlib.util.find_spec("matplotlib") is not None:
         vb.plot({"meta": common.stamp(), "rows": rows}, tmp_path / "varlen.png")
         assert (tmp_path / "varlen.png").stat().st_size > 5000

@@ -104,6 +104,35 @@ def test_dtypes_are_checked_before_any_launch(which):
             varlen.backward(arrs["dout"], q, k, v, arrs["out"], lse, [0, 8], [0, 8], variant=VARIANT)
 
 
+@pytest.mark.parametrize("bad,err,match", [
+    ("cu_float", TypeError, "int32 or int64"), ("k_dtype", TypeError, "k must have q's dtype"),
+    ("out_dtype", TypeError, "out must have q's dtype"), ("k_rows", ValueError, "share one shape|as many packed rows"),
+    ("lse_shape", ValueError, "lse must be float32"),
+])
+def test_document_inputs_refuses_before_its_launch(bad, err, match):
+    """sandbox.varlen.document_inputs (the packed backward's one-launch preparation) runs the entry points' checks
+    first: its kernel sizes every row by q's dtype and k's heads. CPU tensors stand in (the checks read shapes,
+    dtypes and strides alone), so this runs without a GPU."""
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(8, 4, 16, dtype=torch.float16)
+    k = v = torch.zeros(8, 2, 16, dtype=torch.float16)
+    out, dout, lse = q.clone(), q.clone(), torch.zeros(4, 8)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    args = {"cu": cu, "q": q, "out": out, "dout": dout, "k": k, "v": v, "lse": lse}
+    if bad == "cu_float":
+        args["cu"] = cu.float()
+    elif bad == "k_dtype":
+        args["k"] = args["v"] = k.float()
+    elif bad == "out_dtype":
+        args["out"] = out.float()
+    elif bad == "k_rows":
+        args["k"] = args["v"] = torch.zeros(9, 2, 16, dtype=torch.float16)
+    else:
+        args["lse"] = torch.zeros(4, 7)
+    with pytest.raises(err, match=match):
+        varlen.document_inputs(**args)
+
+
 def test_packed_shapes_are_checked():
     q, k, v, _ = _packed([0, 8], [0, 8])
     with pytest.raises(ValueError, match="packed"):
