@@ -22,6 +22,27 @@
 //       tile's GEMMs are waited for before its softmax (the rung below).
 //       PINGPONG (FA3 Sec. 3.1, with NC = 2 and OVERLAP): the two consumer warpgroups take turns issuing
 //       their GEMMs through two named barriers, so one's softmax runs under the other's GEMMs.
+//       FA_SOFTMAX_TURNS (-D switch, variants/fa3_ws.py softmax_turns; NC = 2, OVERLAP, not PINGPONG): the turns are
+//       taken at the softmax instead: the same two named barriers around scores_to_p, so that the two warpgroups'
+//       softmaxes never run at once and each one's runs beside the other's GEMMs and tail, whatever their lengths
+//       (ping-pong orders the GEMMs and leaves a softmax longer than the other's GEMMs to collide: the soft-cap's). Both
+//       warpgroups walk the same tiles of the same items, so the turns alternate across a persistent block's items too.
+//       Predicted from the loop trace (H100, N = 4k causal, d = 128): the soft-cap's period from ~4,500 to ~3,000
+//       clocks, since its softmax alone would be ~1,250 (its 128 MUFU ops a thread at 8 clocks a warp). Measured
+//       (bench/results/h100/2026-11-27-session-17.md, one run beside SDPA): the soft-cap unchanged (0.619 against 0.620
+//       ms). Its trace's softmax phase (2,500-2,650 clocks) now includes the wait for the turn (a third of it): alone a
+//       soft-capped softmax takes ~1,700 clocks, 1.6x its MUFU bound, and the two back to back fill ~80% of the
+//       4,261-clock period. The SASS suggests why: ptxas issues the 64 MUFU.TANH back to back, then the row max, then
+//       the 64 MUFU.EX2, then the sums and conversions, so ~420 other instructions run after the MUFU ops instead of in
+//       the 7 idle issue slots each one leaves (in-order issue, one MUFU op per 8 clocks; not yet tested: ptxas chooses
+//       that order). Plain d = 128: 1-3% faster non-causal, 2-13% causal (655-658 TFLOP/s at 8k-16k, 0.99-1.06x cuDNN),
+//       0-4% with modifiers; d = 64 0-8% slower non-causal and 4-11% causal than three consumers, with modifiers mixed
+//       (ALiBi, document, sinks 2-5% faster, the soft-cap 7% slower): on at D = 128 ("auto").
+//       Tried and reverted (session 17): O += P_j V_j issued one k16 wgmma at a time with an eighth of S_{j+1}'s softmax
+//       after each (a warp issuing wgmmas resumes only when the last ones start, so the overlapped loop's softmax waits
+//       for P V's issue), predicted -30% soft-cap period: measured 8% SLOWER with the soft-cap (0.668 against 0.618 ms,
+//       d = 128), 4% slower plain, 3% faster plain at d = 64; ptxas kept the order (SASS) but put a WARPGROUP.ARRIVE
+//       before each wgmma. Ping-pong with every 2nd-4th exp2 on the FMA pipe: 4-9% slower.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
@@ -92,6 +113,12 @@ __device__ long long fa_trace[3][FA_TRACE_ITERS][8];
 #define TRACE_DECL
 #endif
 
+#ifdef FA_SOFTMAX_TURNS
+constexpr bool SOFTMAX_TURNS = true;
+#else
+constexpr bool SOFTMAX_TURNS = false;
+#endif
+
 // ---- device helpers
 
 // The tile sequence every role walks: the band's range, minus the tiles the table marks empty.
@@ -134,6 +161,8 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     static_assert(NC >= 1 && NC <= 3 && (STAGES == 2 || STAGES == 3), "consumers, ring slots");
     static_assert(!PINGPONG || (NC == 2 && OVERLAP), "ping-pong: two consumer warpgroups, overlapped loop");
     static_assert(!PERSIST || (!PINGPONG && D <= 128), "persistent: no ping-pong, two Q buffers (D <= 128)");
+    constexpr bool SM_TURNS = SOFTMAX_TURNS && OVERLAP && NC == 2;
+    static_assert(!SOFTMAX_TURNS || (SM_TURNS && !PINGPONG), "softmax turns: two consumers, overlap, no ping-pong");
     constexpr int QBUFS = PERSIST ? 2 : 1;
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;     // panels on 1024-byte boundaries
@@ -249,6 +278,13 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         const int wrow = (warp - 4) * 16;             // the warp's first row in the tile
         int it = 0;                                   // ring position, as the producer's
         TRACE_DECL;
+        // SM_TURNS: the two warpgroups take turns at the softmax (named barriers 1 + c, each turn ended by an arrival
+        // on the other's), so that one's MUFU work runs beside the other's GEMMs. Both walk the same tiles of the
+        // same items, so the turns alternate across items too: warpgroup 1 lets warpgroup 0 go first, and warpgroup
+        // 0's sync after the last item takes warpgroup 1's last arrival.
+        auto softmax_turn = [&] { if constexpr (SM_TURNS) named_sync(1 + c, 256); };
+        auto softmax_done = [&] { if constexpr (SM_TURNS) named_arrive(2 - c, 256); };
+        if (SM_TURNS && c == 1) named_arrive(1, 256);
         for (int u = 0; ; ++u) {
         const unsigned qb = u % QBUFS, q_use = u / QBUFS;
         mbar_wait(q_full + 8 * qb, q_use & 1);        // this item's Q landed (PERSIST: or the end was posted)
@@ -338,7 +374,9 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 wgmma_wait<0>();
                 fence_accumulators(sc[0]);
                 if (lane == 0) mbar_arrive(k_empty + 8 * s);
+                softmax_turn();
                 scores_to_p(sc, t, corr);              // O is still zero: no rescale
+                softmax_done();
                 p_operands<T>(pa, sc);
             }
             for (int tn = walk.next(t); tn <= walk.last; tn = walk.next(tn)) {
@@ -365,7 +403,9 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 fence_accumulators(sc[0]);
                 TRACE_EV(5);
                 if (lane == 0) mbar_arrive(k_empty + 8 * sn);
+                softmax_turn();
                 scores_to_p(sc, tn, corr);             // under O += P_j V_j
+                softmax_done();
                 TRACE_EV(6);
                 wgmma_wait<0>();
                 fence_accumulators(o[0]);
@@ -397,5 +437,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         write_output<T>(o, m, l, O, LSE, bh, row0 + wrow, Nq, d, g, tq);
         if (!PERSIST) break;
         }
+        if (SM_TURNS && c == 0) named_sync(1, 256);   // warpgroup 1's last arrival
     }
 }

@@ -62,6 +62,23 @@ def test_spec_booleans_and_pingpong_envelope():
             sandbox.problem.make_problem(q, q, q), "forward")
 
 
+def test_softmax_turns_envelope_and_module():
+    """softmax_turns: two consumer warpgroups (auto resolves to 2 at d = 64, where plain attention takes 3), no
+    ping-pong; its module is its own (-DFA_SOFTMAX_TURNS, named in the label) and the kernel names are unchanged."""
+    cfg = sandbox.get_variant("fa3", softmax_turns=True).config
+    assert cfg.for_head_dim(64).consumers == 2 and cfg.for_head_dim(128).persistent is True
+    for D in (64, 128, 192, 256):
+        c = cfg.for_head_dim(D)
+        u, plain = c.unit("float16", D), dataclasses.replace(c, softmax_turns=False).unit("float16", D)
+        assert "-DFA_SOFTMAX_TURNS" in u.options and "-DFA_SOFTMAX_TURNS" not in plain.options
+        assert u.names == plain.names and "softmax_turns" in u.label and c.envelope_errors(D) == []
+    for bad in ({"pingpong": True}, {"consumers": 3, "block_c": 64}, {"consumers": 1}):
+        with pytest.raises(ValueError, match="softmax_turns"):
+            sandbox.get_variant("fa3", softmax_turns=True, **bad).check(_problem(64), "forward")
+    with pytest.raises(ValueError, match="softmax_turns"):
+        sandbox.get_variant("fa3-ws", softmax_turns=True)          # fa3's parameter (the overlapped loop)
+
+
 def test_tma_strides():
     """What TMA can describe: 16-byte multiples; extent-1 dims get a usable stride; zero strides of
     broadcast dims and odd rows are refused (the generic path copies those to contiguous arrays)."""
@@ -490,6 +507,37 @@ def test_persistent_from_torch_matches_the_default(monkeypatch, causal):
         out = st.attention(q, k, v, variant="fa3", causal=causal, persistent=True)
         assert torch.equal(out, ref)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_softmax_turns_match_oracle_and_the_loop_without_them(monkeypatch, dtype):
+    """softmax_turns=True orders the two consumer warpgroups' softmaxes with named barriers and changes no
+    arithmetic: each case against the oracle and bit for bit against the same config without turns. Cases: d = 64
+    and 128, GQA, dropout, a window, a block-sparse layout, causal with Nq > Nk (Q tiles whose walk is empty: neither
+    warpgroup takes a turn there), a soft-cap with a document mask, and the persistent grid capped at three blocks
+    (the turns run on across a block's items: a miscount deadlocks or races)."""
+    import variants.fa3_ws as ws
+    from sandbox import fuzz, modifiers
+    from sandbox.masks import BlockSparse
+    monkeypatch.setattr(ws, "sm_count", lambda: 3)
+    docs = modifiers.document(np.repeat(np.arange(3), [100, 150, 50])[None])
+    cases = [(fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True}, 1), {"persistent": True}),
+             (fuzz.Case(1, 4, 1, 333, 200, 128, dtype, {"causal": True, "dropout_p": 0.2, "seed": 3}, 2), {}),
+             (fuzz.Case(1, 2, 2, 600, 150, 128, dtype, {"causal": True}, 3), {"persistent": True}),
+             (fuzz.Case(1, 2, 2, 450, 450, 64, dtype, {"window": (70, 20)}, 4), {"persistent": False}),
+             (fuzz.Case(1, 2, 1, 97, 241, 128, dtype,
+                        {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 5), {}),
+             (fuzz.Case(1, 2, 2, 300, 300, 128, dtype, {"causal": True, "score_mod": modifiers.softcap(5.0),
+                                                        "mask_mod": docs}, 6), {"persistent": True})]
+    for case, params in cases:
+        turns = sandbox.get_variant("fa3", softmax_turns=True, **params)
+        fuzz.assert_case(turns, case, "forward")
+        q, k, v = case.inputs()[:3]
+        a = sandbox.forward(q, k, v, variant="fa3", softmax_turns=True, **params, **case.options)
+        b = sandbox.forward(q, k, v, variant="fa3", consumers=2, **params, **case.options)
+        assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
+        assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case
 
 
 @pytest.mark.gpu

@@ -8,7 +8,9 @@ overlap of the softmax with the GEMMs; Algorithm 2).
            thread, with two block-wide barriers per tile)
   fa3      the same with the overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j in flight together, the
            softmax of S_{j+1} under the second; `pingpong`: the two consumer warpgroups also take turns
-           issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1)
+           issuing their GEMMs, one's softmax under the other's (inter-warpgroup, FA3 Sec. 3.1);
+           `softmax_turns`: they take turns at the softmax instead, so that two softmaxes never run at once
+           (on at d = 128, "auto": 1-13% faster there, bench/results/h100/2026-11-27-session-17.md)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers; "auto": 3 at
 d <= 64 without modifiers, else 2, WsConfig.for_head_dim), ring
 slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
@@ -52,6 +54,7 @@ SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
 AUTO_CONSUMERS_D = 64      # consumers="auto": three consumer warpgroups (Br = 192) at this padded head dim
 AUTO_PERSISTENT_D = 128    # persistent="auto": the persistent grid at this padded head dim
 SHORT_KEYS = 3072          # ... and at D = 64 where a query row sees at most this many keys on average (short_walk)
+AUTO_TURNS_D = 128         # softmax_turns="auto": the consumers take turns at the softmax at this padded head dim
 
 
 @functools.lru_cache(maxsize=256)
@@ -89,9 +92,13 @@ def row_shift(p, block_r: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
-    plain = not config.pingpong and not mods
+    plain = not config.pingpong and config.softmax_turns is not True and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
-    c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent))
+    turns = config.softmax_turns
+    if turns == "auto":
+        turns = D == AUTO_TURNS_D and consumers == 2 and config.overlap and not config.pingpong
+    c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent),
+                            softmax_turns=bool(turns))
     # modifiers: persistent with two consumer warpgroups only (three spill a soft-cap's build, more so persistent)
     may_persist = not config.pingpong and (not mods or consumers == 2)
     if config.persistent == "auto" and may_persist and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
@@ -114,6 +121,8 @@ class WsConfig:
     persistent: object = "auto"                          # one block per SM walking the Q tiles (kernels_cu/fa3_ws.cu);
                                                          # False, True or "auto" (for_head_dim)
     trace: bool = False                                  # FA_TRACE: block 0's loop phase clocks (read_trace)
+    softmax_turns: object = "auto"                       # FA_SOFTMAX_TURNS: the consumers take turns at the softmax;
+                                                         # False, True or "auto" (for_head_dim)
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
@@ -126,8 +135,9 @@ class WsConfig:
         same rule as without, with two consumers only: at N = 4k causal it measured 3-13% faster than the
         non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1). Three consumers
         at D = 128 (Bc 64, no spills) measured 2% slower plain causal and 17% slower with a soft-cap at N = 4k
-        (session 15, call 5)."""
-        if self.consumers != "auto" and self.persistent != "auto":
+        (session 15, call 5). softmax_turns: on at D = 128 with two consumers and no ping-pong (1-3% faster
+        non-causal, 2-13% causal, 0-4% with modifiers; at D = 64 slower than three consumers: session 17)."""
+        if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
         return _resolve(self, D, mods, short)
 
@@ -175,10 +185,13 @@ class WsConfig:
         names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
         emu += ("-DFA_TRACE",) if self.trace else ()
+        turns = self.for_head_dim(D, mods is not None).softmax_turns
+        emu += ("-DFA_SOFTMAX_TURNS",) if turns else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{', trace' if self.trace else ''}"
+                                 f"{', softmax_turns' if turns else ''}"
                                  f"{mods.label if mods else ''}]",
                            archs=ARCHS)
 
@@ -190,6 +203,9 @@ class WsConfig:
         if c.pingpong and (c.consumers != 2 or not c.overlap):
             errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
                         f"(consumers=2, variant fa3); got consumers={c.consumers}")
+        if c.softmax_turns and (c.pingpong or c.consumers != 2):
+            errs.append(f"softmax_turns=True takes turns at the softmax between two consumer warpgroups, without "
+                        f"ping-pong; got consumers={c.consumers}{', pingpong=True' if c.pingpong else ''}")
         if c.persistent and (c.pingpong or D > 128):
             errs.append(f"persistent=True double-buffers Q (D <= 128) and walks its tiles without ping-pong; got "
                         f"D = {D}{', pingpong=True' if c.pingpong else ''}")
@@ -250,9 +266,10 @@ class FA3WarpSpecialized(FA3Wgmma):
     read_trace = staticmethod(read_trace)
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
-                  exp2_fma=0, persistent="auto", trace=False):
+                  exp2_fma=0, persistent="auto", trace=False, softmax_turns="auto"):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
-                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace)
+                        TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace,
+                        softmax_turns)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -399,11 +416,16 @@ register(Variant(
     impl=FA3WarpSpecialized("fa3", overlap=True), caps=CAPS,
     params=(*PARAMS, Param("pingpong", (False, True), False, "the two consumer warpgroups take turns issuing their "
                            "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2"),
+            Param("softmax_turns", ("auto", False, True), "auto", "the two consumer warpgroups take turns at the "
+                  "softmax (named barriers), so that one's MUFU work runs beside the other's GEMMs and the two softmaxes "
+                  "never share the MUFU pipe; consumers=2, no ping-pong; auto: on at 64 < d <= 128 (measured 1-3% faster "
+                  "non-causal, 2-13% causal, 0-4% with modifiers there; 3-9% slower at d = 64 than three consumers)"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
                   "the result is the same")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
-                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}),
+                   {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}, {"softmax_turns": False},
+                   {"softmax_turns": True}),
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
