@@ -25,24 +25,26 @@
 //       FA_SOFTMAX_TURNS (-D switch, variants/fa3_ws.py softmax_turns; NC = 2, OVERLAP, not PINGPONG): the turns are
 //       taken at the softmax instead: the same two named barriers around scores_to_p, so that the two warpgroups'
 //       softmaxes never run at once and each one's runs beside the other's GEMMs and tail, whatever their lengths
-//       (ping-pong orders the GEMMs and leaves a softmax longer than the other's GEMMs to collide: the soft-cap's). Both
-//       warpgroups walk the same tiles of the same items, so the turns alternate across a persistent block's items too.
-//       Predicted from the loop trace (H100, N = 4k causal, d = 128): the soft-cap's period from ~4,500 to ~3,000
-//       clocks, since its softmax alone would be ~1,250 (its 128 MUFU ops a thread at 8 clocks a warp). Measured
-//       (bench/results/h100/2026-11-27-session-17.md, one run beside SDPA): the soft-cap unchanged (0.619 against 0.620
-//       ms). Its trace's softmax phase (2,500-2,650 clocks) now includes the wait for the turn (a third of it): alone a
-//       soft-capped softmax takes ~1,700 clocks, 1.6x its MUFU bound, and the two back to back fill ~80% of the
-//       4,261-clock period. The SASS suggests why: ptxas issues the 64 MUFU.TANH back to back, then the row max, then
-//       the 64 MUFU.EX2, then the sums and conversions, so ~420 other instructions run after the MUFU ops instead of in
-//       the 7 idle issue slots each one leaves (in-order issue, one MUFU op per 8 clocks; not yet tested: ptxas chooses
-//       that order). Plain d = 128: 1-3% faster non-causal, 2-13% causal (655-658 TFLOP/s at 8k-16k, 0.99-1.06x cuDNN),
-//       0-4% with modifiers; d = 64 0-8% slower non-causal and 4-11% causal than three consumers, with modifiers mixed
-//       (ALiBi, document, sinks 2-5% faster, the soft-cap 7% slower): on at D = 128 ("auto").
-//       Tried and reverted (session 17): O += P_j V_j issued one k16 wgmma at a time with an eighth of S_{j+1}'s softmax
-//       after each (a warp issuing wgmmas resumes only when the last ones start, so the overlapped loop's softmax waits
-//       for P V's issue), predicted -30% soft-cap period: measured 8% SLOWER with the soft-cap (0.668 against 0.618 ms,
-//       d = 128), 4% slower plain, 3% faster plain at d = 64; ptxas kept the order (SASS) but put a WARPGROUP.ARRIVE
-//       before each wgmma. Ping-pong with every 2nd-4th exp2 on the FMA pipe: 4-9% slower.
+//       (ping-pong orders the GEMMs and leaves a softmax longer than the other's GEMMs to collide: the soft-cap's).
+//       Both warpgroups walk the same tiles of the same items, so the turns alternate across a persistent block's items
+//       too. Predicted from the loop trace (H100, N = 4k causal, d = 128): the soft-cap's period from ~4,500 to ~3,000
+//       clocks, since its softmax alone would be ~1,250 (130 MUFU ops a thread at 8 clocks a warp, 1,040, and the row
+//       max). Measured (bench/results/h100/2026-11-27-session-17.md, one run beside SDPA): the soft-cap unchanged
+//       (0.619 against 0.620 ms). Its trace's softmax phase (2,500-2,650 clocks) now includes the wait for the turn (a
+//       third of it): alone a soft-capped softmax takes ~1,700 clocks, 1.6x its MUFU bound, and the two back to back
+//       fill ~80% of the 4,261-clock period. The SASS suggests why: ptxas issues the 64 MUFU.TANH back to back, then
+//       the row max, then the 64 MUFU.EX2, then the sums and conversions, so ~420 other instructions run after the MUFU
+//       ops instead of in the 7 idle issue slots each one leaves (in-order issue, one MUFU op per 8 clocks; not yet
+//       tested: ptxas chooses that order). Plain d = 128: 1-3% faster non-causal, 2-13% causal (655-658 TFLOP/s at
+//       8k-16k non-causal, 0.99-1.04x cuDNN; causal 0.98-1.06x at 4k-16k), 0-4% with modifiers; d = 64 0-8% slower
+//       non-causal and 4-11% causal than three consumers, with modifiers mixed (ALiBi, document, sinks 2-5% faster, the
+//       soft-cap 7% slower): on at D = 128 ("auto").
+//       Tried and reverted (session 17): O += P_j V_j issued one k16 wgmma at a time with an eighth of S_{j+1}'s
+//       softmax after each (a warp issuing wgmmas resumes only when the last ones start, so the overlapped loop's
+//       softmax waits for P V's issue), predicted -30% soft-cap period: measured 8% SLOWER with the soft-cap (0.668
+//       against 0.618 ms, d = 128), 4% slower plain, 3% faster plain at d = 64; ptxas kept the order (SASS) but put a
+//       WARPGROUP.ARRIVE before each wgmma. Ping-pong with every 2nd-4th exp2 on the FMA pipe: 4-10% slower with the
+//       soft-cap.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's

@@ -77,6 +77,25 @@ def test_softmax_turns_envelope_and_module():
             sandbox.get_variant("fa3", softmax_turns=True, **bad).check(_problem(64), "forward")
     with pytest.raises(ValueError, match="softmax_turns"):
         sandbox.get_variant("fa3-ws", softmax_turns=True)          # fa3's parameter (the overlapped loop)
+    from variants.fa3_ws import WsConfig
+    errs = WsConfig(overlap=False, consumers=2, persistent=False, softmax_turns=True).envelope_errors(128)
+    assert len(errs) == 1 and "softmax_turns" in errs[0] and "no overlap" in errs[0]       # fa3-ws's loop
+
+
+def test_softmax_turns_auto_is_on_at_d128_only():
+    """softmax_turns="auto" (the default): on at D = 128 with two consumers (measured 1-13% faster there), off at
+    D = 64 (three consumers run plain attention there; two with modifiers measured mixed), 192 and 256 (not
+    measured), with ping-pong, and on fa3-ws (no overlapped loop); its module carries the switch exactly then."""
+    fa3, ws_cfg = sandbox.get_variant("fa3").config, sandbox.get_variant("fa3-ws").config
+    assert fa3.softmax_turns == "auto"
+    assert [fa3.for_head_dim(D).softmax_turns for D in (64, 128, 192, 256)] == [False, True, False, False]
+    assert [fa3.for_head_dim(D, mods=True).softmax_turns for D in (64, 128)] == [False, True]
+    assert fa3.for_head_dim(64, short=True).softmax_turns is False
+    assert not any(ws_cfg.for_head_dim(D).softmax_turns for D in (64, 128, 192, 256))
+    assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(128).softmax_turns is False
+    assert sandbox.get_variant("fa3", softmax_turns=False).config.for_head_dim(128).softmax_turns is False
+    for cfg, D, on in ((fa3, 128, True), (fa3, 64, False), (ws_cfg, 128, False)):
+        assert ("-DFA_SOFTMAX_TURNS" in cfg.unit("float16", D).options) is on, (cfg, D)
 
 
 def test_tma_strides():
@@ -535,7 +554,7 @@ def test_softmax_turns_match_oracle_and_the_loop_without_them(monkeypatch, dtype
         fuzz.assert_case(turns, case, "forward")
         q, k, v = case.inputs()[:3]
         a = sandbox.forward(q, k, v, variant="fa3", softmax_turns=True, **params, **case.options)
-        b = sandbox.forward(q, k, v, variant="fa3", consumers=2, **params, **case.options)
+        b = sandbox.forward(q, k, v, variant="fa3", consumers=2, softmax_turns=False, **params, **case.options)
         assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
         assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case
 

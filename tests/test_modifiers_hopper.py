@@ -56,9 +56,9 @@ def test_units_without_modifiers_are_unchanged(name, kw):
     assert ModKernel.of(_problem()) is None
     for D in (64, 128, 192, 256):
         plain, none = cfg.unit("float16", D), cfg.unit("float16", D, None)
-        schedule = ("-DFA_SOFTMAX_TURNS",)         # fa3's softmax turns (on at D = 128): a schedule, not a modifier
-        assert plain == none and not any("-DFA_" in o for o in plain.options if o not in schedule)
-        assert len(plain.names) == 2
+        turns = "-DFA_SOFTMAX_TURNS"      # fa3's default schedule at D = 128 (softmax_turns="auto"), not a modifier
+        assert (turns in plain.options) is (name == "fa3" and not kw and D == 128), (name, kw, D)
+        assert plain == none and not any("-DFA_" in o for o in plain.options if o != turns) and len(plain.names) == 2
     mods = ModKernel.of(_problem(_score_mods()["softcap"], _mask_mods()["document"], dropout_p=0.1))
     u = cfg.unit("bfloat16", 128, mods)
     with_mods = cfg.for_head_dim(128, mods=True) if hasattr(cfg, "for_head_dim") else cfg     # fa3's "auto"s

@@ -92,7 +92,8 @@ def row_shift(p, block_r: int) -> int:
 @functools.lru_cache(maxsize=256)
 def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
-    plain = not config.pingpong and config.softmax_turns is not True and not mods
+    explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
+    plain = not config.pingpong and not explicit_turns and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     turns = config.softmax_turns
     if turns == "auto":
@@ -203,9 +204,10 @@ class WsConfig:
         if c.pingpong and (c.consumers != 2 or not c.overlap):
             errs.append(f"pingpong=True takes turns between two consumer warpgroups of the overlapped loop "
                         f"(consumers=2, variant fa3); got consumers={c.consumers}")
-        if c.softmax_turns and (c.pingpong or c.consumers != 2):
-            errs.append(f"softmax_turns=True takes turns at the softmax between two consumer warpgroups, without "
-                        f"ping-pong; got consumers={c.consumers}{', pingpong=True' if c.pingpong else ''}")
+        if c.softmax_turns and (c.pingpong or c.consumers != 2 or not c.overlap):
+            errs.append(f"softmax_turns=True takes turns at the softmax between two consumer warpgroups of the overlapped "
+                        f"loop (variant fa3), without ping-pong; got consumers={c.consumers}"
+                        f"{', pingpong=True' if c.pingpong else ''}{'' if c.overlap else ', no overlap'}")
         if c.persistent and (c.pingpong or D > 128):
             errs.append(f"persistent=True double-buffers Q (D <= 128) and walks its tiles without ping-pong; got "
                         f"D = {D}{', pingpong=True' if c.pingpong else ''}")
@@ -419,7 +421,7 @@ register(Variant(
             Param("softmax_turns", ("auto", False, True), "auto", "the two consumer warpgroups take turns at the "
                   "softmax (named barriers), so that one's MUFU work runs beside the other's GEMMs and the two softmaxes "
                   "never share the MUFU pipe; consumers=2, no ping-pong; auto: on at 64 < d <= 128 (measured 1-3% faster "
-                  "non-causal, 2-13% causal, 0-4% with modifiers there; 3-9% slower at d = 64 than three consumers)"),
+                  "non-causal, 2-13% causal, 0-4% with modifiers there; 0-11% slower at d = 64 than three consumers)"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
                   "the result is the same")),
