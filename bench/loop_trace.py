@@ -11,7 +11,8 @@ of each phase of an iteration:
   PV wait    until P_j V_j is done                    tail      the rescale, P's conversion, the loop's top
 
 and the period (top to top), and how much of one warpgroup's softmax runs while the other's does too (the
-overlap FA3's ping-pong is meant to remove). The clock is the SM's; the stores add a few instructions per event.
+overlap FA3's ping-pong is meant to remove). With softmax_turns the softmax phase includes the wait for the
+warpgroup's turn, so its overlap with the other's counts that wait, not two softmaxes at once. The clock is the SM's; the stores add a few instructions per event.
 Writes DIR/loop_trace.md, .json and .png (matplotlib) and prints the table. Cases: bench.modifiers_bench's
 (causal, softcap, alibi, document, ...); N = --seqlen, B N = 16k tokens, hidden 2048, fp16.
 """

@@ -103,7 +103,8 @@
 #ifdef FA_TRACE
 #define FA_TRACE_ITERS 512
 // events: 0 the iteration's top, 1 K_{j+1} and V_j landed, 2 its turn (ping-pong), 3 S_{j+1}'s wgmmas issued,
-// 4 P_j V_j's issued, 5 S_{j+1} done, 6 its softmax done, 7 P_j V_j done
+// 4 P_j V_j's issued, 5 S_{j+1} done, 6 its softmax done (SM_TURNS: the wait for the turn between 5 and 6), 7 P_j V_j
+// done
 __device__ long long fa_trace[3][FA_TRACE_ITERS][8];
 #define TRACE_EV(ev) do { if (blockIdx.x == 0 && blockIdx.y == 0 && lane == 0 && warp % 4 == 0 && \
                               trace_i < FA_TRACE_ITERS) fa_trace[c][trace_i][ev] = clock64(); } while (0)
