@@ -45,6 +45,12 @@
 //       against 0.618 ms, d = 128), 4% slower plain, 3% faster plain at d = 64; ptxas kept the order (SASS) but put a
 //       WARPGROUP.ARRIVE before each wgmma. Ping-pong with every 2nd-4th exp2 on the FMA pipe: 4-10% slower with the
 //       soft-cap.
+//       FA_MUFU_PIPE (variants/fa3_ws.py mufu_pipe, with a score modifier; scores_to_p's pipe_full): the test of the
+//       SASS reading above. ptxas then interleaves MUFU.TANH with FMNMX two by two (SASS). Predicted: the soft-capped
+//       softmax ~1,700 -> ~1,400 clocks, the soft-cap ~10% faster at d = 128. Measured (H100, N = 4k causal, one A/B
+//       in one call, the baseline run before and after): 0.600 against 0.614 / 0.620 ms at d = 128 (-3%), 0.908
+//       against 0.967 / 0.962 at d = 64 (-6%), outputs and lse bit for bit equal; plain causal unchanged. Off by
+//       default until the GPU suite has run it (its test is in tests/test_hopper.py).
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
@@ -309,9 +315,79 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
 #endif
         };
 
+#if defined(FA_MUFU_PIPE) && defined(FA_SCORE_MOD)
+        // FA_MUFU_PIPE = PG (variants/fa3_ws.py mufu_pipe: PG = 2): a full tile's score modifier + row max, then its
+        // exponentials + row sums, in groups of PG n8 blocks, the FMNMX (FADD) of group g - 1 after the MUFU ops of
+        // group g, and each group's scale tied (OR with a runtime zero) to the running max (sums) through group
+        // g - 2, so that ptxas cannot issue every MUFU op of the tile before the ALU work that could fill the issue
+        // slots between them (the header: it did, for the soft-cap). The same operations in the same order per
+        // element and per row: the result is bit for bit the unpipelined one.
+        auto pipe_full = [&](float (&s)[1][NT][4], int col0, float (&corr)[1][2]) {
+            constexpr int PG = FA_MUFU_PIPE, NG = NT / PG;
+            const unsigned zero = (unsigned)Nq >> 31;                     // 0, unknown to the compiler
+            const float fi0 = (float)(row0 + wrow + g), fj0 = (float)(col0 + 2 * tq);
+            float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int gi = 0; gi <= NG; ++gi) {
+                if (gi < NG) {
+                    const float ms = __uint_as_float(__float_as_uint(mod_scale) |
+                                                     ((__float_as_uint(mx[0]) | __float_as_uint(mx[1])) & zero));
+#pragma unroll
+                    for (int n = gi * PG; n < gi * PG + PG; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int di = e >= 2 ? 8 : 0, dj = n * 8 + (e & 1);
+                            s[0][n][e] = score_mod(s[0][n][e] * ms, b, h, row0 + wrow + g + di, col0 + 2 * tq + dj,
+                                                   fi0 + (float)di, fj0 + (float)dj FA_SM_ARGS);
+                        }
+                }
+                if (gi > 0) {
+#pragma unroll
+                    for (int n = (gi - 1) * PG; n < gi * PG; ++n)
+#pragma unroll
+                        for (int hr = 0; hr < 2; ++hr)
+                            mx[hr] = fmaxf(mx[hr], fmaxf(s[0][n][2 * hr], s[0][n][2 * hr + 1]));
+                }
+            }
+            float m_use[2], sum[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr)
+                m_use[hr] = softmax_row_max<COND_RESCALE<ND, DROPOUT>>(m[0][hr], quad_max(mx[hr]), scale_log2,
+                                                                        corr[0][hr]);
+#pragma unroll
+            for (int gi = 0; gi <= NG; ++gi) {
+                if (gi < NG) {
+                    const float sl = __uint_as_float(__float_as_uint(scale_log2) |
+                                                     ((__float_as_uint(sum[0]) | __float_as_uint(sum[1])) & zero));
+#pragma unroll
+                    for (int n = gi * PG; n < gi * PG + PG; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[0][n][e] = softmax_exp2(fmaf(s[0][n][e], sl, -m_use[e / 2]), n);
+                }
+                if (gi > 0) {
+#pragma unroll
+                    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+                        for (int n = (gi - 1) * PG; n < gi * PG; ++n) {
+                            sum[hr] += s[0][n][2 * hr];
+                            sum[hr] += s[0][n][2 * hr + 1];
+                        }
+                }
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) l[0][hr] = l[0][hr] * corr[0][hr] + sum[hr];
+        };
+#endif
+
         // the scores of tile t, in registers: masked, softmaxed (O's rescale factor in corr), dropped out
         auto scores_to_p = [&](float (&s)[1][NT][4], int t, float (&corr)[1][2]) {
             const int col0 = t * BC;
+#if defined(FA_MUFU_PIPE) && defined(FA_SCORE_MOD)
+            if (!DROPOUT && walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq) {
+                pipe_full(s, col0, corr);
+                return;
+            }
+#endif
 #ifdef FA_MODS
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)

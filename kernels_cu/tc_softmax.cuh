@@ -117,6 +117,12 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 //
 // The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
 // holds it); -inf where nothing is visible.
+// The max over a row's quad of lanes (every lane gets it).
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
 template <int MT, int NT>
 __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {
 #pragma unroll
@@ -126,8 +132,7 @@ __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)
             float x = NEG_INF;
 #pragma unroll
             for (int n = 0; n < NT; ++n) x = fmaxf(x, fmaxf(s[mt][n][2 * hr], s[mt][n][2 * hr + 1]));
-            x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-            mx[mt][hr] = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+            mx[mt][hr] = quad_max(x);
         }
 }
 
@@ -176,6 +181,20 @@ constexpr bool COND_RESCALE = ND >= 16 && !DROPOUT;
 // and the factor corr = 2^(m_old - m) that O must be rescaled by (rescale_rows) before this tile's P V is
 // added. Apart from softmax_update so that a kernel can rescale O later, once an O += P V in flight
 // has completed (fa3_ws.cu's intra-warpgroup overlap). l holds this lane's partial row sums.
+// One row's step of the update, for a tile whose raw row max is mx: the new running max m (log2 units; kept
+// while mx exceeds it by at most the slack, with COND), O's and l's rescale factor corr = 2^(m_old - m), and the
+// reference the tile's P is taken against, returned: m, or 0 while nothing is visible (m = -inf).
+template <bool COND>
+__device__ __forceinline__ float softmax_row_max(float& m, float mx, float scale_log2, float& corr) {
+    float m_new = fmaxf(m, mx * scale_log2);
+    // keep m within the slack; false for m = -inf (NaN or +inf difference): the first visible tile
+    if (COND && m_new - m <= FA_RESCALE_SLACK) m_new = m;
+    const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
+    corr = exp2_ftz(m - m_use);
+    m = m_new;
+    return m_use;
+}
+
 template <bool COND, int MT, int NT>
 __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
                                                const float (&mx)[MT][2], float scale_log2, float (&corr)[MT][2]) {
@@ -183,11 +202,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-            float m_new = fmaxf(m[mt][hr], mx[mt][hr] * scale_log2);
-            // keep m within the slack; false for m = -inf (NaN or +inf difference): the first visible tile
-            if (COND && m_new - m[mt][hr] <= FA_RESCALE_SLACK) m_new = m[mt][hr];
-            const float m_use = m_new == NEG_INF ? 0.0f : m_new;     // nothing visible yet
-            corr[mt][hr] = exp2_ftz(m[mt][hr] - m_use);
+            const float m_use = softmax_row_max<COND>(m[mt][hr], mx[mt][hr], scale_log2, corr[mt][hr]);
             float sum = 0.0f;
 #pragma unroll
             for (int n = 0; n < NT; ++n)
@@ -198,7 +213,6 @@ __device__ __forceinline__ void softmax_scores(float (&s)[MT][NT][4], float (&m)
                     sum += p;
                 }
             l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
-            m[mt][hr] = m_new;
         }
 }
 

@@ -335,3 +335,65 @@ def test_the_oracle_checks_the_distance_form(name):
                               ({"score_mod": good, "window": (40, 3)}, "bfloat16", 128),
                               ({"score_mod": good.with_sinks([0.3, -1.0])}, "float16", 64)):
         fuzz.assert_case(get_variant(name), dataclasses.replace(case, options=options, dtype=dtype, d=d), "backward")
+
+
+# ---- mufu_pipe: a score-modified full tile's softmax pipelined (kernels_cu/fa3_ws.cu pipe_full)
+
+def test_mufu_pipe_switch_only_where_a_score_modifier_is_compiled_in():
+    """-DFA_MUFU_PIPE=2 in fa3's forward module exactly with mufu_pipe=True and a score modifier in its text form
+    (the soft-cap, a relative bias); not for ALiBi's seeded form, sinks alone, a mask modifier alone or no
+    modifier (the switch would change nothing there: no second module)."""
+    sm, mm = _score_mods(), _mask_mods()
+    on, off = _config("fa3", mufu_pipe=True), _config("fa3")
+    for D in (64, 128):
+        for mods, expect in (((sm["softcap"], None), True), ((sm["relative_bias"], mm["prefix_lm"]), True),
+                             ((sm["alibi"], None), False), ((sm["sinks"], None), False), ((None, mm["document"]), False)):
+            mk = ModKernel.of(_problem(*mods, d=D))
+            u = on.unit("float16", D, mk)
+            assert ("-DFA_MUFU_PIPE=2" in u.options) is expect and ("mufu_pipe" in u.label) is expect, (mods, D)
+            assert "-DFA_MUFU_PIPE=2" not in off.unit("float16", D, mk).options
+        assert not any("-DFA_MUFU_PIPE" in o for o in on.unit("float16", D).options)
+
+
+def test_mufu_pipe_builds_without_spills():
+    """The pipelined soft-cap forward at D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma serialized."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from sandbox import compile_report
+    bound = get_variant("fa3", mufu_pipe=True)
+    units = [bound.config.unit("float16", D, ModKernel.of(_problem(_score_mods()["softcap"], None, d=D))) for D in (64, 128)]
+    jobs = compile_report.kernel_jobs([("fa3", bound, u) for u in units], ("sm_90",))
+    loader.build_many([(j, "sm_90") for j in jobs.values()])
+    for key, job in jobs.items():
+        assert "-DFA_MUFU_PIPE=2" in job.options
+        b = loader.build(job, "sm_90")
+        (r,) = loader.reports(job, b)
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (key, r)
+        assert "serialized" not in b.log and "C75" not in b.log, b.log
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mufu_pipe_matches_oracle_and_the_unpipelined_softmax(dtype):
+    """mufu_pipe=True reorders a full tile's softmax and changes no arithmetic: against the oracle and bit for bit
+    against mufu_pipe=False, with the soft-cap and a relative bias (a buffer lookup), causal (full and partial tiles),
+    a document mask (full tiles classified by the predicate), d = 64 and 128, GQA, the persistent grid at 128, and
+    dropout (which keeps the unpipelined path)."""
+    rel = M.relative_bias(np.random.default_rng(4).standard_normal((2, 9)), 4)
+    docs = M.document(np.repeat([0, 1], 130)[None], np.repeat([0, 1], 165)[None])
+    cases = [fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0)}, 1),
+             fuzz.Case(1, 4, 4, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 2),
+             fuzz.Case(1, 2, 2, 260, 330, 128, dtype, {"score_mod": rel, "mask_mod": docs}, 3),
+             fuzz.Case(1, 2, 1, 257, 257, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0), "dropout_p": 0.2,
+                                                       "seed": 5}, 4)]
+    for case in cases:
+        fuzz.assert_case(get_variant("fa3", mufu_pipe=True), case, "forward")
+        q, k, v = case.inputs()[:3]
+        a = sandbox_forward(q, k, v, mufu_pipe=True, **case.options)
+        b = sandbox_forward(q, k, v, mufu_pipe=False, **case.options)
+        assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
+        assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case
+
+
+def sandbox_forward(q, k, v, **kw):
+    import sandbox
+    return sandbox.forward(q, k, v, variant="fa3", **kw)
