@@ -50,7 +50,7 @@
 //       softmax ~1,700 -> ~1,400 clocks, the soft-cap ~10% faster at d = 128. Measured (H100, N = 4k causal, one A/B
 //       in one call, the baseline run before and after): 0.600 against 0.614 / 0.620 ms at d = 128 (-3%), 0.908
 //       against 0.967 / 0.962 at d = 64 (-6%), outputs and lse bit for bit equal; plain causal unchanged. Off by
-//       default until the GPU suite has run it (its test is in tests/test_hopper.py).
+//       default until the GPU suite has run it (its test is in tests/test_modifiers_hopper.py).
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
@@ -324,6 +324,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         // element and per row: the result is bit for bit the unpipelined one.
         auto pipe_full = [&](float (&s)[1][NT][4], int col0, float (&corr)[1][2]) {
             constexpr int PG = FA_MUFU_PIPE, NG = NT / PG;
+            static_assert(NT % PG == 0, "mufu_pipe: whole groups of n8 blocks");
             const unsigned zero = (unsigned)Nq >> 31;                     // 0, unknown to the compiler
             const float fi0 = (float)(row0 + wrow + g), fj0 = (float)(col0 + 2 * tq);
             float mx[2] = {NEG_INF, NEG_INF};

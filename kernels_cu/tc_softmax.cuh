@@ -114,14 +114,15 @@ __device__ __forceinline__ void mask_scores(float (&s)[MT][NT][4], int cls, cons
 // cycles at d = 64 on "wait", fixed-latency dependencies, with issue slots ~44% busy) measured 11-13%
 // SLOWER for fa3's forward at d = 64 (H200, same run, 2026-11-26; bench/results/h200/2026-11-26-session-6.md),
 // so the single chain stays.
-//
-// The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
-// holds it); -inf where nothing is visible.
+
 // The max over a row's quad of lanes (every lane gets it).
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
+
+// The raw row max of this warp's scores over its columns (quad-reduced: every lane of a row's quad
+// holds it); -inf where nothing is visible.
 
 template <int MT, int NT>
 __device__ __forceinline__ void row_max(const float (&s)[MT][NT][4], float (&mx)[MT][2]) {

@@ -356,19 +356,19 @@ def test_mufu_pipe_switch_only_where_a_score_modifier_is_compiled_in():
 
 
 def test_mufu_pipe_builds_without_spills():
-    """The pipelined soft-cap forward at D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma serialized."""
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from sandbox import compile_report
-    bound = get_variant("fa3", mufu_pipe=True)
-    units = [bound.config.unit("float16", D, ModKernel.of(_problem(_score_mods()["softcap"], None, d=D))) for D in (64, 128)]
-    jobs = compile_report.kernel_jobs([("fa3", bound, u) for u in units], ("sm_90",))
-    loader.build_many([(j, "sm_90") for j in jobs.values()])
-    for key, job in jobs.items():
-        assert "-DFA_MUFU_PIPE=2" in job.options
-        b = loader.build(job, "sm_90")
-        (r,) = loader.reports(job, b)
-        assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (key, r)
-        assert "serialized" not in b.log and "C75" not in b.log, b.log
+    """The pipelined soft-cap forward at D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma serialized,
+    and a cubin other than the unpipelined one (the switch reaches the kernel's code)."""
+    on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
+    units = {D: [c.unit("float16", D, ModKernel.of(_problem(_score_mods()["softcap"], None, d=D))) for c in (on, off)]
+             for D in (64, 128)}
+    reports = compile_reports([u for pair in units.values() for u in pair], "sm_90")    # skips on a GPU machine
+    for D, (u_on, u_off) in units.items():
+        assert "-DFA_MUFU_PIPE=2" in u_on.options and "-DFA_MUFU_PIPE=2" not in u_off.options
+        for r in reports[u_on]:
+            assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (D, r)
+        b_on, b_off = loader.build(u_on, "sm_90"), loader.build(u_off, "sm_90")
+        assert "serialized" not in b_on.log and "C75" not in b_on.log, b_on.log
+        assert b_on.cubin != b_off.cubin, D
 
 
 @pytest.mark.gpu
