@@ -431,7 +431,8 @@ register(Variant(
                   "modifier and row max, then its exponentials and row sums, in groups of two n8 blocks tied to the row "
                   "max / sums two groups back, so that the ALU work fills the issue slots between the MUFU ops (tanh, "
                   "exp2); the same result bit for bit; measured 3% (d = 128) and 6% (d = 64) faster with the soft-cap "
-                  "at N = 4k causal in one A/B on the H100, not yet in the GPU suite (kernels_cu/fa3_ws.cu)"),
+                  "at N = 4k causal in one A/B on the H100, not yet in the GPU suite (kernels_cu/fa3_ws.cu); time it with "
+                  "`python -m bench modifiers --variant fa3:mufu_pipe=true`"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
                   "the result is the same")),
@@ -439,5 +440,5 @@ register(Variant(
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
                    {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}, {"softmax_turns": False},
-                   {"softmax_turns": True}, {"mufu_pipe": True}),
+                   {"softmax_turns": True}),      # mufu_pipe changes score-modified builds only: bench modifiers times it
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
