@@ -326,7 +326,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             constexpr int PG = FA_MUFU_PIPE, NG = NT / PG;
             static_assert(NT % PG == 0, "mufu_pipe: whole groups of n8 blocks");
             const unsigned zero = (unsigned)Nq >> 31;                     // 0, unknown to the compiler
-            const float fi0 = (float)(row0 + wrow + g), fj0 = (float)(col0 + 2 * tq);
             float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
             for (int gi = 0; gi <= NG; ++gi) {
@@ -335,12 +334,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                                                      ((__float_as_uint(mx[0]) | __float_as_uint(mx[1])) & zero));
 #pragma unroll
                     for (int n = gi * PG; n < gi * PG + PG; ++n)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int di = e >= 2 ? 8 : 0, dj = n * 8 + (e & 1);
-                            s[0][n][e] = score_mod(s[0][n][e] * ms, b, h, row0 + wrow + g + di, col0 + 2 * tq + dj,
-                                                   fi0 + (float)di, fj0 + (float)dj FA_SM_ARGS);
-                        }
+                        mod_full_block(s[0][n], 0, n, ms, b, h, row0 + wrow, col0, g, tq FA_SM_ARGS);
                 }
                 if (gi > 0) {
 #pragma unroll

@@ -213,6 +213,22 @@ __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& m
             }
 }
 
+#ifdef FA_SCORE_MOD
+// The score modifier on n8 block n of m16 slice mt of a full tile (every element in range and visible), the scores
+// times `scale` first (the forward's mod_scale; fa3_ws.cu's pipelined softmax passes it tied to a dependency). fi,
+// fj: the row's and column's index as floats, the per-thread base + a small constant (exact).
+__device__ __forceinline__ void mod_full_block(float (&s)[4], int mt, int n, float scale, int b, int h, int row_base,
+                                               int col0, int g, int tq FA_SM_PARAMS) {
+    const float fi0 = (float)(row_base + g), fj0 = (float)(col0 + 2 * tq);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
+        s[e] = score_mod(s[e] * scale, b, h, row_base + g + di, col0 + 2 * tq + dj, fi0 + (float)di, fj0 + (float)dj
+                         FA_SM_ARGS);
+    }
+}
+#endif
+
 template <bool SEEDED = false, int MT, int NT>
 __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, int cls, const Mask& mask, int b,
                                            int h, int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
@@ -221,17 +237,11 @@ __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, int
     if (full) return;
 #elif defined(FA_SCORE_MOD)
     if (full) {
-        const float fi0 = (float)(row_base + g), fj0 = (float)(col0 + 2 * tq);   // + small constants: exact
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
-                    s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, row_base + g + di, col0 + 2 * tq + dj,
-                                            fi0 + (float)di, fj0 + (float)dj FA_SM_ARGS);
-                }
+                mod_full_block(s[mt][n], mt, n, mod_scale, b, h, row_base, col0, g, tq FA_SM_ARGS);
         return;
     }
 #else
