@@ -383,17 +383,30 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 return;
             }
 #endif
+            float mx[1][2];
 #ifdef FA_MODS
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
             // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
             const int cls = walk.cls[t];
-            mod_scores<FA_SEED_S>(s, cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq, cls, mask,
-                       b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+            const bool full = cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq;
+#ifdef FA_SCORE_MONOTONE
+            // a monotone modifier (tc_mods.cuh mod_row_max): a full tile's row max on the raw scores, then the
+            // modifier, so that no exponential waits for the last MUFU.TANH; the whole softmax in this branch, so
+            // that ptxas may interleave the two (none crosses the branches' join)
+            if (full) {
+                row_max(s, mx);
+                mod_row_max(mx, b, h, MOD_FN_ARGS);
+                mod_scores<FA_SEED_S>(s, true, cls, mask, b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
+                softmax_scores<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, scale_log2, corr);
+                if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
+                return;
+            }
+#endif
+            mod_scores<FA_SEED_S>(s, full, cls, mask, b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
 #else
             if (walk.cls[t] != TILE_FULL || col0 + BC > Nk)
                 mask_scores<1, NT, NC == 3>(s, walk.cls[t], mask, h, row0 + wrow, col0, Nq, Nk, g, tq);
 #endif
-            float mx[1][2];
             row_max(s, mx);
             softmax_scores<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, scale_log2, corr);
             if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);

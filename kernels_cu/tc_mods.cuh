@@ -41,6 +41,9 @@
 #if defined(FA_SCORE_MOD) && defined(FA_DIST_BIAS)
 #error "FA_DIST_BIAS replaces FA_SCORE_MOD: define one of them"
 #endif
+#if defined(FA_SCORE_MONOTONE) && !defined(FA_SCORE_MOD)
+#error "FA_SCORE_MONOTONE says FA_SCORE_MOD's modifier is monotone: define both"
+#endif
 #if defined(FA_SCORE_MOD) || defined(FA_DIST_BIAS) || defined(FA_MASK_MOD) || defined(FA_SINKS)
 #define FA_MODS 1
 #ifndef FA_SM_PARAMS
@@ -226,6 +229,22 @@ __device__ __forceinline__ void mod_full_block(float (&s)[4], int mt, int n, flo
         s[e] = score_mod(s[e] * scale, b, h, row_base + g + di, col0 + 2 * tq + dj, fi0 + (float)di, fj0 + (float)dj
                          FA_SM_ARGS);
     }
+}
+#endif
+
+#ifdef FA_SCORE_MONOTONE
+// FA_SCORE_MONOTONE (with FA_SCORE_MOD, forward builds; sandbox/modifiers.py ScoreMod.monotone): the compiled
+// modifier is a non-decreasing function of the score alone (the soft-cap's core, tanh), so a row's max over a
+// full tile commutes with it: max_j mod(c s_j) = mod(c max_j s_j) for c = mod_scale > 0. mx: the raw row maxima
+// (row_max), made the modified ones. Any common reference of P and l gives the same result (tc_softmax.cuh), so an
+// approximate core that were not monotone to the last bit would change the rounding only.
+template <int MT>
+__device__ __forceinline__ void mod_row_max(float (&mx)[MT][2], int b, int h, MOD_FN_PARAMS) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr)
+            mx[mt][hr] = score_mod(mx[mt][hr] * mod_scale, b, h, 0, 0, 0.0f, 0.0f FA_SM_ARGS);
 }
 #endif
 

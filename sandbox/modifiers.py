@@ -298,6 +298,12 @@ class ScoreMod:
     # backward (kernels_cu/fa3_bwd2.cu FA_SCORE_FACTORED) compiles the core and its derivative, the factors
     # travelling as kernel arguments instead of buffer loads per element
     cuda_factored_grad: str | None = None
+    # the forward's compiled form (cuda_factored's core where given, else cuda) is a non-decreasing function of the
+    # score alone, reading no index and no buffer (the soft-cap): fa3's forward then takes a full tile's row max on the
+    # raw scores and applies the modifier to it, so that the exponentials need not wait for the modifier's last
+    # element (kernels_cu/tc_mods.cuh mod_row_max). Checked on the NumPy form when made (_check_monotone); a false
+    # claim the check misses changes the softmax's reference point only, which cancels, until P overflows
+    monotone: bool = False
 
     def __post_init__(self):
         _name(self.name, "ScoreMod")
@@ -328,6 +334,10 @@ class ScoreMod:
         object.__setattr__(self, "buffers", _buffers(self.buffers, where))
         if self.sink is not None:
             object.__setattr__(self, "sink", _sink_logits(self.sink, where))
+        if not isinstance(self.monotone, bool):
+            raise TypeError(f"{where}: monotone must be a bool, got {self.monotone!r}")
+        if self.monotone:
+            _check_monotone(self, where)
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
@@ -393,7 +403,9 @@ class ScoreMod:
         core = self.cuda_factored[0] if self.cuda_factored is not None else ""
         slope = self.cuda_distance_slope or ""
         core_grad = self.cuda_factored_grad or ""
-        return hashlib.sha256((self.cuda_function() + core + "\0" + slope + "\0" + core_grad).encode()).hexdigest()[:16]
+        mono = "\0monotone" if self.monotone else ""
+        return hashlib.sha256((self.cuda_function() + core + "\0" + slope + "\0" + core_grad + mono).encode()
+                              ).hexdigest()[:16]
 
 
     @property
@@ -411,6 +423,29 @@ class ScoreMod:
         """(pre, post) of the factored form, (1, 1) without one: the forward kernel multiplies the score
         by |scale| * pre before the compiled text and the softmax takes post * log2 e as its factor."""
         return self.cuda_factored[1:] if self.cuda_factored is not None else (1.0, 1.0)
+
+
+# scores where a claim of monotone is checked: both signs, from far below any soft-cap to past fp32's exponent range
+_MONOTONE_PROBE = np.concatenate([-np.logspace(-6, 40, 600)[::-1], [0.0], np.logspace(-6, 40, 600)])
+
+
+def _check_monotone(mod: "ScoreMod", where: str) -> None:
+    """ValueError unless the NumPy form is non-decreasing in s on _MONOTONE_PROBE and the same at the indices
+    (b, h, i, j) = 0 and (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 3, 2): a modifier that reads an index or a buffer by it
+    is not monotone in the kernels' sense (ScoreMod.monotone) even where each of its rows is."""
+    s = _MONOTONE_PROBE[:, None]
+    idx = np.array([[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 3, 2]]).T[:, None, :]
+    try:
+        with np.errstate(all="ignore"):
+            out = np.asarray(mod.numpy(s, *idx, **host_buffers(mod.buffers)), dtype=np.float64)
+    except (IndexError, ValueError) as e:
+        raise ValueError(f"{where}: monotone=True, but its NumPy form failed at small indices: {e}") from None
+    out = np.broadcast_to(out, (s.shape[0], 4))
+    if np.isnan(out).any() or (np.diff(out[:, 0]) < 0).any():
+        raise ValueError(f"{where}: monotone=True, but its NumPy form decreases (or is NaN) somewhere in s")
+    if not (out == out[:, :1]).all():
+        raise ValueError(f"{where}: monotone=True, but its NumPy form depends on the index (i, j): monotone "
+                         "means a function of the score alone")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -561,7 +596,7 @@ def softcap(cap) -> ScoreMod:
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
                     buffers={"cap": np.array([cap, 1.0 / cap])}, params={"cap": cap},
                     cuda_factored=("fa_tanh(s)", 1.0 / cap, cap) if factored else None,
-                    cuda_factored_grad="fa_sech2(s)" if factored else None)
+                    cuda_factored_grad="fa_sech2(s)" if factored else None, monotone=True)
 
 
 def _ones_np(s, b, h, i, j, *buffers, **named):
@@ -953,6 +988,8 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
             text = (score_mod.cuda if backward and not core_bwd or score_mod.cuda_factored is None
                     else score_mod.cuda_factored[0])
             funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(text, where), score_mod.buffers, floats=True))
+            if score_mod.monotone and not backward:        # a full tile's row max before the modifier (fa3_ws.cu)
+                opts.append("-DFA_SCORE_MONOTONE=1")
             if backward:
                 opts.append("-DFA_SCORE_MOD_GRAD=1")
                 grad = score_mod.cuda_factored_grad if core_bwd else score_mod.cuda_grad

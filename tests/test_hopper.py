@@ -82,20 +82,42 @@ def test_softmax_turns_envelope_and_module():
     assert len(errs) == 1 and "softmax_turns" in errs[0] and "no overlap" in errs[0]       # fa3-ws's loop
 
 
-def test_softmax_turns_auto_is_on_at_d128_only():
-    """softmax_turns="auto" (the default): on at D = 128 with two consumers (measured 1-13% faster there), off at
-    D = 64 (three consumers run plain attention there; two with modifiers measured mixed), 192 and 256 (not
+def test_softmax_turns_auto_rule():
+    """softmax_turns="auto" (the default): on at D = 128 with two consumers (measured 1-13% faster there), and at
+    D = 64 with modifiers (two consumers) unless a score modifier is compiled as text (ALiBi, a document mask, sinks
+    1-8% faster; the soft-cap 5% slower); off at D = 64 without modifiers (three consumers), at 192 and 256 (not
     measured), with ping-pong, and on fa3-ws (no overlapped loop); its module carries the switch exactly then."""
     fa3, ws_cfg = sandbox.get_variant("fa3").config, sandbox.get_variant("fa3-ws").config
     assert fa3.softmax_turns == "auto"
     assert [fa3.for_head_dim(D).softmax_turns for D in (64, 128, 192, 256)] == [False, True, False, False]
-    assert [fa3.for_head_dim(D, mods=True).softmax_turns for D in (64, 128)] == [False, True]
+    assert [fa3.for_head_dim(D, mods=True).softmax_turns for D in (64, 128)] == [True, True]
+    assert [fa3.for_head_dim(D, mods=True, score_text=True).softmax_turns for D in (64, 128)] == [False, True]
     assert fa3.for_head_dim(64, short=True).softmax_turns is False
-    assert not any(ws_cfg.for_head_dim(D).softmax_turns for D in (64, 128, 192, 256))
+    assert not any(ws_cfg.for_head_dim(D, mods=True).softmax_turns for D in (64, 128, 192, 256))
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(128).softmax_turns is False
     assert sandbox.get_variant("fa3", softmax_turns=False).config.for_head_dim(128).softmax_turns is False
     for cfg, D, on in ((fa3, 128, True), (fa3, 64, False), (ws_cfg, 128, False)):
         assert ("-DFA_SOFTMAX_TURNS" in cfg.unit("float16", D).options) is on, (cfg, D)
+
+
+def test_softmax_turns_at_d64_follow_the_modules_score_text():
+    """At D = 64 the rule reads whether the module compiles a score modifier's text: variants/fa2_tc.score_text(p)
+    says so exactly when ModKernel's options carry FA_SCORE_MOD, for every built-in modifier (ALiBi seeded, and as
+    text at scale 0), and the forward module of each carries the switch accordingly."""
+    from sandbox import modifiers as M
+    from sandbox.problem import make_problem
+    from variants.fa2_tc import ModKernel, score_text
+    z = np.zeros((1, 2, 64, 64), np.float16)
+    fa3 = sandbox.get_variant("fa3").config
+    cases = [dict(score_mod=M.softcap(20.0)), dict(score_mod=M.alibi([0.5, 0.25])),
+             dict(score_mod=M.alibi([0.5, 0.25]), scale=0.0), dict(score_mod=M.sinks([0.1, 0.2])),
+             dict(score_mod=M.relative_bias(np.zeros((2, 9)), 4)), dict(mask_mod=M.document(np.arange(64) // 20))]
+    for kw in cases:
+        p = make_problem(z, z, z, causal=True, **kw)
+        mk = ModKernel.of(p)
+        text = "-DFA_SCORE_MOD=1" in mk.options
+        assert score_text(p) is text, kw
+        assert ("-DFA_SOFTMAX_TURNS" in fa3.unit("float16", 64, mk).options) is (not text), kw
 
 
 def test_tma_strides():

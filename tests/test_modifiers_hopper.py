@@ -355,15 +355,27 @@ def test_mufu_pipe_switch_only_where_a_score_modifier_is_compiled_in():
         assert not any("-DFA_MUFU_PIPE" in o for o in on.unit("float16", D).options)
 
 
-def test_mufu_pipe_builds_without_spills():
-    """The pipelined soft-cap forward at D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma serialized,
-    and a cubin other than the unpipelined one (the switch reaches the kernel's code)."""
-    on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
-    units = {D: [c.unit("float16", D, ModKernel.of(_problem(_score_mods()["softcap"], None, d=D))) for c in (on, off)]
-             for D in (64, 128)}
+def _switch_units(switch: str) -> dict:
+    """{D: (unit with the switch, unit without)}: fa3's soft-cap forward at D = 64 and 128, fp16, with and without
+    mufu_pipe or the soft-cap's monotone row max."""
+    sc = _score_mods()["softcap"]
+    if switch == "-DFA_MUFU_PIPE=2":
+        on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
+        return {D: tuple(c.unit("float16", D, ModKernel.of(_problem(sc, None, d=D))) for c in (on, off)) for D in (64, 128)}
+    cfg = get_variant("fa3").config
+    return {D: tuple(cfg.unit("float16", D, ModKernel.of(_problem(m, None, d=D)))
+                     for m in (sc, dataclasses.replace(sc, monotone=False))) for D in (64, 128)}
+
+
+@pytest.mark.parametrize("switch", ["-DFA_MUFU_PIPE=2", "-DFA_SCORE_MONOTONE=1"])
+def test_softcap_switch_builds_without_spills(switch):
+    """The pipelined soft-cap forward (mufu_pipe) and the one with its row max first (ScoreMod.monotone), D = 64 and
+    128 (sm_90a, fp16): no spills, no stack, no wgmma serialized, and a cubin other than the one without the switch
+    (it reaches the kernel's code)."""
+    units = _switch_units(switch)
     reports = compile_reports([u for pair in units.values() for u in pair], "sm_90")    # skips on a GPU machine
     for D, (u_on, u_off) in units.items():
-        assert "-DFA_MUFU_PIPE=2" in u_on.options and "-DFA_MUFU_PIPE=2" not in u_off.options
+        assert switch in u_on.options and switch not in u_off.options
         for r in reports[u_on]:
             assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack == 0, (D, r)
         b_on, b_off = loader.build(u_on, "sm_90"), loader.build(u_off, "sm_90")
@@ -392,6 +404,89 @@ def test_mufu_pipe_matches_oracle_and_the_unpipelined_softmax(dtype):
         b = sandbox_forward(q, k, v, mufu_pipe=False, **case.options)
         assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
         assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case
+
+
+# ---- a monotone modifier's row max taken first (ScoreMod.monotone, kernels_cu/tc_mods.cuh mod_row_max)
+
+def test_monotone_claim_is_checked_when_made():
+    """The soft-cap claims monotone; a claim its NumPy form contradicts (decreasing somewhere, NaN, or a function
+    of i or j as well) is a ValueError when the modifier is made, a non-bool a TypeError."""
+    assert M.softcap(30.0).monotone and not M.alibi([0.5]).monotone
+    sq = M.ScoreMod("square", lambda s, b, h, i, j: s * s, lambda s, b, h, i, j: s * s, "s * s")
+    with pytest.raises(ValueError, match="decreases"):
+        dataclasses.replace(sq, monotone=True)
+    with pytest.raises(ValueError, match="index"):
+        dataclasses.replace(M.alibi([0.5]), monotone=True)
+    with pytest.raises(TypeError, match="monotone"):
+        dataclasses.replace(M.softcap(2.0), monotone=1)
+    shift = M.ScoreMod("shift", lambda s, b, h, i, j: s + 3.0, lambda s, b, h, i, j: s + 3.0, "s + 3.0f",
+                       monotone=True)
+    assert shift.monotone and shift.cuda_key != dataclasses.replace(shift, monotone=False).cuda_key
+
+
+def test_monotone_switch_in_forward_modules_only():
+    """-DFA_SCORE_MONOTONE in a forward module of a monotone score modifier (the soft-cap, factored or not), not in
+    a backward module, not for monotone=False, ALiBi or a mask modifier alone."""
+    sc = M.softcap(30.0)
+    assert "-DFA_SCORE_MONOTONE=1" in M.cuda_defines(sc, None)
+    assert "-DFA_SCORE_MONOTONE=1" in M.cuda_defines(M.softcap(1e-30), None)     # not factored: the whole text
+    for opts in (M.cuda_defines(sc, None, backward=True), M.cuda_defines(sc, None, backward=True, factored=True),
+                 M.cuda_defines(dataclasses.replace(sc, monotone=False), None), M.cuda_defines(M.alibi([0.5]), None),
+                 M.cuda_defines(None, _mask_mods()["document"])):
+        assert "-DFA_SCORE_MONOTONE=1" not in opts
+
+
+@pytest.mark.gpu
+def test_hardware_tanh_is_nearly_monotone():
+    """fa_tanh (tanh.approx.f32, MUFU.TANH) is not monotone to the last bit: over every pair of neighbouring finite
+    fp32 inputs of either sign, a few in 10^6 step down (26,240 of 4.3e9 pairs on the H100), by at most 114 ulps of
+    the output (1.4e-5 relative). So the soft-cap of a raw row max (mod_row_max) is within that of the row max of the
+    soft-capped scores: the reference point that P and l share moves by less than cap 2e-5 log2 e, which cancels
+    between them; the result moves by rounding only (the next test)."""
+    import cupy as cp
+    src = r'''extern "C" __global__ void viol(unsigned long long* bad, unsigned* worst) {
+        unsigned k = blockIdx.x * blockDim.x + threadIdx.x;        // pairs (k, k + 1) of non-negative bit patterns
+        if (k >= 0x7f800000u) return;                               // +inf's pattern: the last finite pair ends there
+        float t[4], x[4] = {__uint_as_float(k), __uint_as_float(k + 1), __uint_as_float(k | 0x80000000u),
+                            __uint_as_float((k + 1) | 0x80000000u)};
+        for (int e = 0; e < 4; ++e) asm("tanh.approx.f32 %0, %1;" : "=f"(t[e]) : "f"(x[e]));
+        // a step down, in ulps of the output (t of one sign on each side: tanh is odd, MUFU.TANH keeps the sign)
+        const unsigned up = t[0] > t[1] ? __float_as_uint(t[0]) - __float_as_uint(t[1]) : 0u;
+        const unsigned dn = t[3] > t[2] ? __float_as_uint(t[2]) - __float_as_uint(t[3]) : 0u;
+        if (up | dn) { atomicAdd(bad, 1ull); atomicMax(worst, max(up, dn)); }
+    }'''
+    kern = cp.RawKernel(src, "viol", options=("-arch=sm_90",))
+    bad, worst = cp.zeros(1, cp.uint64), cp.zeros(1, cp.uint32)
+    kern(((0x7f800000 + 255) // 256,), (256,), (bad, worst))
+    n, ulps = int(bad.get()[0]), int(worst.get()[0])
+    print(f"MUFU.TANH: {n} neighbouring pairs step down, by at most {ulps} ulp")
+    assert n < 2 ** 32 // 10 ** 4 and 0 < ulps <= 256, (n, ulps)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_monotone_row_max_matches_oracle_and_the_max_after_the_modifier(dtype):
+    """The soft-cap's row max taken on the raw scores (monotone=True) against the oracle, and up to rounding
+    against the max taken after the modifier (monotone=False): causal (full and partial tiles), d = 64 and 128, GQA, a
+    document mask, caps small and large, d = 96 with large logits (padded D = 128), and dropout."""
+    docs = M.document(np.repeat([0, 1], 130)[None], np.repeat([0, 1], 165)[None])
+    cases = [fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0)}, 1),
+             fuzz.Case(1, 4, 4, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 2),
+             fuzz.Case(1, 2, 2, 260, 330, 128, dtype, {"score_mod": M.softcap(0.5), "mask_mod": docs}, 3),
+             fuzz.Case(1, 2, 1, 257, 300, 96, dtype, {"score_mod": M.softcap(2.0)}, 5, logit_scale=6.0),
+             fuzz.Case(1, 2, 1, 257, 257, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0), "dropout_p": 0.2,
+                                                       "seed": 5}, 4)]
+    for case in cases:
+        fuzz.assert_case(get_variant("fa3"), case, "forward")
+        q, k, v = case.inputs()[:3]
+        sm = case.options["score_mod"]
+        a = sandbox_forward(q, k, v, **case.options)
+        b = sandbox_forward(q, k, v, **{**case.options, "score_mod": dataclasses.replace(sm, monotone=False)})
+        # the same up to rounding (the reference points may differ by MUFU.TANH's steps down, above): bit for bit
+        # on the H100 in these cases and at N = 4k, but not promised
+        np.testing.assert_allclose(np.asarray(a.out, np.float32), np.asarray(b.out, np.float32), rtol=2 ** -7,
+                                   atol=2 ** -12, err_msg=str(case))
+        np.testing.assert_allclose(np.asarray(a.lse), np.asarray(b.lse), rtol=1e-6, atol=1e-5, err_msg=str(case))
 
 
 def sandbox_forward(q, k, v, **kw):

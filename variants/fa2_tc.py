@@ -81,6 +81,13 @@ def seeds_bias(p) -> bool:
     return sm is not None and sm.cuda_distance_slope is not None and abs(p.scale) * LOG2E >= SCALE_LOG2_FLOOR
 
 
+def score_text(p) -> bool:
+    """Whether p's forward module compiles a score modifier's text (FA_SCORE_MOD, modifiers.cuda_defines): a score
+    modifier that is neither the identity (sinks alone) nor a distance bias the S accumulator starts from."""
+    sm = p.score_mod
+    return sm is not None and not sm.is_identity and not seeds_bias(p)
+
+
 # ---- config
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from sandbox.masks import UNBOUNDED, Band, mean_visible_keys
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
 from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, forward_scale_log2
-from .fa2_tc import ModKernel
+from .fa2_tc import ModKernel, score_text
 from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, forward_tiles, has_mods, register_errors
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
@@ -91,14 +91,15 @@ def row_shift(p, block_r: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False) -> "WsConfig":
+def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
     plain = not config.pingpong and not explicit_turns and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     turns = config.softmax_turns
     if turns == "auto":
-        turns = D == AUTO_TURNS_D and consumers == 2 and config.overlap and not config.pingpong
+        turns = ((D == AUTO_TURNS_D or D == AUTO_CONSUMERS_D and mods and not score_text) and consumers == 2
+                 and config.overlap and not config.pingpong)
     c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent),
                             softmax_turns=bool(turns))
     # modifiers: persistent with two consumer warpgroups only (three spill a soft-cap's build, more so persistent)
@@ -127,7 +128,7 @@ class WsConfig:
                                                          # False, True or "auto" (for_head_dim)
     mufu_pipe: bool = False                              # FA_MUFU_PIPE: a score-modified full tile's softmax pipelined
 
-    def for_head_dim(self, D: int, mods: bool = False, short: bool = False) -> "WsConfig":
+    def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
@@ -139,10 +140,13 @@ class WsConfig:
         non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1). Three consumers
         at D = 128 (Bc 64, no spills) measured 2% slower plain causal and 17% slower with a soft-cap at N = 4k
         (session 15, call 5). softmax_turns: on at D = 128 with two consumers and no ping-pong (1-3% faster
-        non-causal, 2-13% causal, 0-4% with modifiers; at D = 64 slower than three consumers: session 17)."""
+        non-causal, 2-13% causal, 0-4% with modifiers; at D = 64 slower than three consumers: session 17), and at
+        D = 64 with modifiers (two consumers) unless `score_text`, a score modifier compiled as text (FA_SCORE_MOD:
+        the soft-cap, a relative bias): N = 4k causal, ALiBi 5%, a document mask 5%, sinks 1-8% faster, the soft-cap
+        5% slower and a relative bias 0-1% (session 18, call 3)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
-        return _resolve(self, D, mods, short)
+        return _resolve(self, D, mods, short, score_text)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -188,7 +192,8 @@ class WsConfig:
         names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
         emu += ("-DFA_TRACE",) if self.trace else ()
-        turns = self.for_head_dim(D, mods is not None).softmax_turns
+        turns = self.for_head_dim(D, mods is not None, score_text=mods is not None and
+                                  "-DFA_SCORE_MOD=1" in mods.options).softmax_turns
         emu += ("-DFA_SOFTMAX_TURNS",) if turns else ()
         pipe = self.mufu_pipe and mods is not None and "-DFA_SCORE_MOD=1" in mods.options   # changes nothing else
         emu += (f"-DFA_MUFU_PIPE={MUFU_PIPE_GROUP}",) if pipe else ()
@@ -296,7 +301,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         # N = 4k: 0.92 -> 0.77 ms on the persistent grid, H100, session 13 call 8)
         short = (D == AUTO_CONSUMERS_D and config.persistent == "auto" and _fills_the_gpu(p)
                  and (p.mask_mod is not None or short_walk(p.Nq, p.Nk, p.causal, p.window)))
-        return config.for_head_dim(D, has_mods(p), short)
+        return config.for_head_dim(D, has_mods(p), short, score_text(p))
 
     def check(self, problem, config, direction):
         super().check(problem, self._resolved(problem, config), direction)
