@@ -50,7 +50,15 @@
 //       softmax ~1,700 -> ~1,400 clocks, the soft-cap ~10% faster at d = 128. Measured (H100, N = 4k causal, one A/B
 //       in one call, the baseline run before and after): 0.600 against 0.614 / 0.620 ms at d = 128 (-3%), 0.908
 //       against 0.967 / 0.962 at d = 64 (-6%), outputs and lse bit for bit equal; plain causal unchanged. Off by
-//       default until the GPU suite has run it (its test is in tests/test_modifiers_hopper.py).
+//       default: FA_SCORE_MONOTONE (below) does better for the soft-cap; it takes precedence over this one.
+//       FA_SCORE_MONOTONE (sandbox/modifiers.py ScoreMod.monotone: the soft-cap; tc_mods.cuh mod_row_max): a full
+//       tile's row max on the raw scores, the modifier applied to the two maxima, the whole softmax in that branch.
+//       The dependency mufu_pipe worked around is gone: no MUFU.EX2 waits for the tile's last MUFU.TANH (SASS: the
+//       EX2s interleave with the TANHs). Predicted: the soft-capped softmax near its MUFU bound, -8-12% soft-cap at
+//       d = 128. Measured (H100, N = 4k causal, ABAB in one run): 0.574-0.582 against 0.612-0.620 ms at d = 128
+//       (-6%), 0.908-0.927 against 0.966-0.968 at d = 64 (-5%), outputs and lse bit for bit equal; the loop trace
+//       (d = 128) still shows a period 14% above plain causal's (3,894 against 3,406 clocks). exp2_fma = 2-4 on top
+//       of it: 4-18% slower.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's

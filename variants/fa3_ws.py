@@ -431,12 +431,15 @@ register(Variant(
             Param("softmax_turns", ("auto", False, True), "auto", "the two consumer warpgroups take turns at the "
                   "softmax (named barriers), so that one's MUFU work runs beside the other's GEMMs and the two softmaxes "
                   "never share the MUFU pipe; consumers=2, no ping-pong; auto: on at 64 < d <= 128 (measured 1-3% faster "
-                  "non-causal, 2-13% causal, 0-4% with modifiers there; 0-11% slower at d = 64 than three consumers)"),
+                  "non-causal, 2-13% causal, 0-4% with modifiers there; 0-11% slower at d = 64 than three consumers), "
+                  "and at d <= 64 with modifiers unless a score modifier's text is compiled in (ALiBi, document "
+                  "masks, sinks 1-8% faster; the soft-cap 5% slower)"),
             Param("mufu_pipe", (False, True), False, "with a score modifier (not ALiBi's seeded form), a full tile's "
                   "modifier and row max, then its exponentials and row sums, in groups of two n8 blocks tied to the row "
                   "max / sums two groups back, so that the ALU work fills the issue slots between the MUFU ops (tanh, "
                   "exp2); the same result bit for bit; measured 3% (d = 128) and 6% (d = 64) faster with the soft-cap "
-                  "at N = 4k causal in one A/B on the H100, not yet in the GPU suite (kernels_cu/fa3_ws.cu); time it with "
+                  "at N = 4k causal on the H100, less than a monotone modifier's row max first (ScoreMod.monotone, the "
+                  "soft-cap's default), which it overrides (kernels_cu/fa3_ws.cu); time it with "
                   "`python -m bench modifiers --variant fa3:mufu_pipe=true`"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
