@@ -50,7 +50,8 @@
 //       softmax ~1,700 -> ~1,400 clocks, the soft-cap ~10% faster at d = 128. Measured (H100, N = 4k causal, one A/B
 //       in one call, the baseline run before and after): 0.600 against 0.614 / 0.620 ms at d = 128 (-3%), 0.908
 //       against 0.967 / 0.962 at d = 64 (-6%), outputs and lse bit for bit equal; plain causal unchanged. Off by
-//       default: FA_SCORE_MONOTONE (below) does better for the soft-cap; it takes precedence over this one.
+//       default: FA_SCORE_MONOTONE (below) is as fast at d = 64 and faster at d = 128; where both are set, this one
+//       runs (scores_to_p tries pipe_full first).
 //       FA_SCORE_MONOTONE (sandbox/modifiers.py ScoreMod.monotone: the soft-cap; tc_mods.cuh mod_row_max): a full
 //       tile's row max on the raw scores, the modifier applied to the two maxima, the whole softmax in that branch.
 //       The dependency mufu_pipe worked around is gone: no MUFU.EX2 waits for the tile's last MUFU.TANH (SASS: the

@@ -234,10 +234,12 @@ __device__ __forceinline__ void mod_full_block(float (&s)[4], int mt, int n, flo
 
 #ifdef FA_SCORE_MONOTONE
 // FA_SCORE_MONOTONE (with FA_SCORE_MOD, forward builds; sandbox/modifiers.py ScoreMod.monotone): the compiled
-// modifier is a non-decreasing function of the score alone (the soft-cap's core, tanh), so a row's max over a
-// full tile commutes with it: max_j mod(c s_j) = mod(c max_j s_j) for c = mod_scale > 0. mx: the raw row maxima
-// (row_max), made the modified ones. Any common reference of P and l gives the same result (tc_softmax.cuh), so an
-// approximate core that were not monotone to the last bit would change the rounding only.
+// modifier is a non-decreasing function of the score for each (b, h), independent of i and j (the soft-cap's
+// core, tanh), so a row's max over a full tile commutes with it: max_j mod(c s_j) = mod(c max_j s_j) for
+// c = mod_scale > 0. mx: the raw row maxima (row_max), made the modified ones (i = j = 0: unread). Any common
+// reference of P and l gives the same result (tc_softmax.cuh), so a core that is not monotone to the last bit
+// changes the rounding only (MUFU.TANH steps down by up to 114 ulps between neighbouring inputs on the H100:
+// tests/test_modifiers_hopper.py).
 template <int MT>
 __device__ __forceinline__ void mod_row_max(float (&mx)[MT][2], int b, int h, MOD_FN_PARAMS) {
 #pragma unroll

@@ -299,10 +299,11 @@ class ScoreMod:
     # travelling as kernel arguments instead of buffer loads per element
     cuda_factored_grad: str | None = None
     # the forward's compiled form (cuda_factored's core where given, else cuda) is a non-decreasing function of the
-    # score alone, reading no index and no buffer (the soft-cap): fa3's forward then takes a full tile's row max on the
-    # raw scores and applies the modifier to it, so that the exponentials need not wait for the modifier's last
-    # element (kernels_cu/tc_mods.cuh mod_row_max). Checked on the NumPy form when made (_check_monotone); a false
-    # claim the check misses changes the softmax's reference point only, which cancels, until P overflows
+    # score for each (batch, head), reading neither i nor j (the soft-cap; a per-head cap too): fa3's forward then
+    # takes a full tile's row max on the raw scores and applies the modifier to it, so that the exponentials need not
+    # wait for the modifier's last element (kernels_cu/tc_mods.cuh mod_row_max). Checked on the NumPy form when made
+    # (_check_monotone); a false claim the check misses moves the softmax's reference point only, which cancels
+    # between P and l, until P overflows
     monotone: bool = False
 
     def __post_init__(self):
@@ -378,6 +379,10 @@ class ScoreMod:
                              f"need (1,) or (Hq,) = ({Hq},)")
         if self.check is not None:
             self.check(B, Hq, Nq, Nk)
+        if self.monotone:
+            _check_monotone(self, f"score_mod {self.name!r}", B, Hq, Nq, Nk)
+        if self.monotone:
+            _check_monotone(self, f"score_mod {self.name!r}", B, Hq, Nq, Nk)
 
     @property
     def is_identity(self) -> bool:
@@ -425,27 +430,62 @@ class ScoreMod:
         return self.cuda_factored[1:] if self.cuda_factored is not None else (1.0, 1.0)
 
 
-# scores where a claim of monotone is checked: both signs, from far below any soft-cap to past fp32's exponent range
-_MONOTONE_PROBE = np.concatenate([-np.logspace(-6, 40, 600)[::-1], [0.0], np.logspace(-6, 40, 600)])
+# scores where a claim of monotone is checked: both signs, from far below any soft-cap to near fp32's largest value
+# (a NumPy form computed in float32 stays finite)
+_MONOTONE_PROBE = np.concatenate([-np.logspace(-6, 38, 300)[::-1], [0.0], np.logspace(-6, 38, 300)])
+_MONOTONE_SLACK = 1e-12               # a step down of this relative size is the NumPy form's rounding, not a decrease
+_MONOTONE_SEEN: dict = {}             # checks passed, keyed by content (host buffers) and problem shape
+_MONOTONE_SEEN_OBJ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # the same for device buffers, by object
 
 
-def _check_monotone(mod: "ScoreMod", where: str) -> None:
-    """ValueError unless the NumPy form is non-decreasing in s on _MONOTONE_PROBE and the same at the indices
-    (b, h, i, j) = 0 and (0, 0, 1, 0), (0, 0, 0, 1), (0, 0, 3, 2): a modifier that reads an index or a buffer by it
-    is not monotone in the kernels' sense (ScoreMod.monotone) even where each of its rows is."""
-    s = _MONOTONE_PROBE[:, None]
-    idx = np.array([[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 3, 2]]).T[:, None, :]
-    try:
-        with np.errstate(all="ignore"):
-            out = np.asarray(mod.numpy(s, *idx, **host_buffers(mod.buffers)), dtype=np.float64)
-    except (IndexError, ValueError) as e:
-        raise ValueError(f"{where}: monotone=True, but its NumPy form failed at small indices: {e}") from None
-    out = np.broadcast_to(out, (s.shape[0], 4))
-    if np.isnan(out).any() or (np.diff(out[:, 0]) < 0).any():
-        raise ValueError(f"{where}: monotone=True, but its NumPy form decreases (or is NaN) somewhere in s")
-    if not (out == out[:, :1]).all():
-        raise ValueError(f"{where}: monotone=True, but its NumPy form depends on the index (i, j): monotone "
-                         "means a function of the score alone")
+def _monotone_key(mod: "ScoreMod"):
+    """A content key for a modifier whose buffers are all host arrays (the built-in soft-cap made anew on every
+    flash_attn_func call checks once), None with a device buffer (checked once per object)."""
+    if not all(isinstance(arr, np.ndarray) for arr in mod.buffers.values()):
+        return None
+    return (mod.numpy, tuple((n, a.dtype.str, a.shape, a.tobytes()) for n, a in mod.buffers.items()))
+
+
+def _check_monotone(mod: "ScoreMod", where: str, B: int = 1, H: int = 1, Nq: int = 4, Nk: int = 4) -> None:
+    """ValueError unless the NumPy form is non-decreasing in s on _MONOTONE_PROBE (up to _MONOTONE_SLACK) for every
+    batch b < B and head h < H, and the same at the index points (i, j) in {0, 1, 3, Nq - 1} x {0, 1, 2, Nk - 1}
+    (those below Nq, Nk): a modifier that reads i or j (or a buffer by them) is not monotone in the kernels' sense
+    (ScoreMod.monotone) even where each of its rows is; one that reads b or h is, where it is non-decreasing for
+    each, since the kernels apply it to each row's max with the row's own b and h. Called when the modifier is made
+    (B = H = 1) and by validate() for each problem shape (once per shape: cached)."""
+    key = _monotone_key(mod)
+    shape = (B, H, Nq, Nk)
+    seen = _MONOTONE_SEEN.get(key, ()) if key is not None else _MONOTONE_SEEN_OBJ.get(mod, ())
+    if shape in seen:
+        return
+    Nq, Nk = max(Nq, 1), max(Nk, 1)
+    pts = sorted({(i, j) for i in (0, 1, 3, Nq - 1) for j in (0, 1, 2, Nk - 1) if i < Nq and j < Nk})
+    s = _MONOTONE_PROBE[:, None, None]
+    h = np.arange(H)[None, :, None]
+    i, j = (np.array([p[k] for p in pts])[None, None, :] for k in (0, 1))
+    buffers = host_buffers(mod.buffers)
+    for b in range(B):
+        try:
+            with np.errstate(all="ignore"):
+                out = np.broadcast_to(np.asarray(mod.numpy(s, np.int64(b), h, i, j, **buffers), dtype=np.float64),
+                                      (s.shape[0], H, len(pts)))
+                lo, hi = out[:-1, :, 0], out[1:, :, 0]
+                down = hi < lo - _MONOTONE_SLACK * np.maximum(np.abs(lo), np.abs(hi))
+        except (IndexError, ValueError, TypeError, ArithmeticError) as e:
+            raise ValueError(f"{where}: monotone=True, but its NumPy form failed on the check's scores and indices "
+                             f"(batch {b}, heads < {H}, i < {Nq}, j < {Nk}): {e}") from None
+        if np.isnan(out).any() or down.any():
+            raise ValueError(f"{where}: monotone=True, but its NumPy form decreases (or is NaN) somewhere in s "
+                             f"(batch {b}, heads < {H})")
+        if not (out == out[:, :, :1]).all():
+            raise ValueError(f"{where}: monotone=True, but its NumPy form depends on the index (i, j): monotone means "
+                             "a function of the score (and of b, h) alone, the same for every i, j")
+    if key is not None:
+        if len(_MONOTONE_SEEN) > 1024:
+            _MONOTONE_SEEN.clear()
+        _MONOTONE_SEEN.setdefault(key, set()).add(shape)
+    else:
+        _MONOTONE_SEEN_OBJ.setdefault(mod, set()).add(shape)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

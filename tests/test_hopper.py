@@ -556,8 +556,9 @@ def test_softmax_turns_match_oracle_and_the_loop_without_them(monkeypatch, dtype
     """softmax_turns=True orders the two consumer warpgroups' softmaxes with named barriers and changes no
     arithmetic: each case against the oracle and bit for bit against the same config without turns. Cases: d = 64
     and 128, GQA, dropout, a window, a block-sparse layout, causal with Nq > Nk (Q tiles whose walk is empty: neither
-    warpgroup takes a turn there), a soft-cap with a document mask, and the persistent grid capped at three blocks
-    (the turns run on across a block's items: a miscount deadlocks or races)."""
+    warpgroup takes a turn there), a soft-cap with a document mask, ALiBi, sinks and a document mask at d = 64, and
+    the persistent grid capped at three blocks (the turns run on across a block's items: a miscount deadlocks or
+    races)."""
     import variants.fa3_ws as ws
     from sandbox import fuzz, modifiers
     from sandbox.masks import BlockSparse
@@ -570,7 +571,13 @@ def test_softmax_turns_match_oracle_and_the_loop_without_them(monkeypatch, dtype
              (fuzz.Case(1, 2, 1, 97, 241, 128, dtype,
                         {"block_mask": BlockSparse(np.eye(4, 5, dtype=bool)[None], (25, 49))}, 5), {}),
              (fuzz.Case(1, 2, 2, 300, 300, 128, dtype, {"causal": True, "score_mod": modifiers.softcap(5.0),
-                                                        "mask_mod": docs}, 6), {"persistent": True})]
+                                                        "mask_mod": docs}, 6), {"persistent": True}),
+             # d = 64 with modifiers, where "auto" turns them on since session 18: ALiBi (seeded), sinks, a document
+             # mask (its short walks: the persistent grid)
+             (fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": modifiers.alibi([0.5, 0.25, 0.1,
+                                                                                                       0.05])}, 7), {}),
+             (fuzz.Case(1, 2, 1, 257, 300, 64, dtype, {"score_mod": modifiers.sinks([0.3, -1.0])}, 8), {}),
+             (fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"causal": True, "mask_mod": docs}, 9), {"persistent": True})]
     for case, params in cases:
         turns = sandbox.get_variant("fa3", softmax_turns=True, **params)
         fuzz.assert_case(turns, case, "forward")

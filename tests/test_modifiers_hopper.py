@@ -13,6 +13,7 @@ the oracle with every built-in, forward and backward, fp16 and bf16, causal and 
 short Hypothesis run; the modules are built in parallel before the first launch.
 """
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -361,7 +362,8 @@ def _switch_units(switch: str) -> dict:
     sc = _score_mods()["softcap"]
     if switch == "-DFA_MUFU_PIPE=2":
         on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
-        return {D: tuple(c.unit("float16", D, ModKernel.of(_problem(sc, None, d=D))) for c in (on, off)) for D in (64, 128)}
+        return {D: tuple(c.unit("float16", D, ModKernel.of(_problem(sc, None, d=D))) for c in (on, off))
+                for D in (64, 128)}
     cfg = get_variant("fa3").config
     return {D: tuple(cfg.unit("float16", D, ModKernel.of(_problem(m, None, d=D)))
                      for m in (sc, dataclasses.replace(sc, monotone=False))) for D in (64, 128)}
@@ -392,10 +394,12 @@ def test_mufu_pipe_matches_oracle_and_the_unpipelined_softmax(dtype):
     dropout (which keeps the unpipelined path)."""
     rel = M.relative_bias(np.random.default_rng(4).standard_normal((2, 9)), 4)
     docs = M.document(np.repeat([0, 1], 130)[None], np.repeat([0, 1], 165)[None])
-    cases = [fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0)}, 1),
-             fuzz.Case(1, 4, 4, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 2),
+    def softcap(cap):      # the max after the modifier, as mufu_pipe=False runs it (the row max first is not bit-equal)
+        return dataclasses.replace(M.softcap(cap), monotone=False)
+    cases = [fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": softcap(5.0)}, 1),
+             fuzz.Case(1, 4, 4, 400, 400, 128, dtype, {"causal": True, "score_mod": softcap(30.0)}, 2),
              fuzz.Case(1, 2, 2, 260, 330, 128, dtype, {"score_mod": rel, "mask_mod": docs}, 3),
-             fuzz.Case(1, 2, 1, 257, 257, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0), "dropout_p": 0.2,
+             fuzz.Case(1, 2, 1, 257, 257, 64, dtype, {"causal": True, "score_mod": softcap(5.0), "dropout_p": 0.2,
                                                        "seed": 5}, 4)]
     for case in cases:
         fuzz.assert_case(get_variant("fa3", mufu_pipe=True), case, "forward")
@@ -422,6 +426,29 @@ def test_monotone_claim_is_checked_when_made():
     shift = M.ScoreMod("shift", lambda s, b, h, i, j: s + 3.0, lambda s, b, h, i, j: s + 3.0, "s + 3.0f",
                        monotone=True)
     assert shift.monotone and shift.cuda_key != dataclasses.replace(shift, monotone=False).cuda_key
+    # rounding in the NumPy form is not a decrease (this soft clamp steps down by 1e-15 in float64 here and there)
+    M.ScoreMod("clamp", lambda s, b, h, i, j: 30 * s / np.sqrt(900 + s * s),
+               lambda s, b, h, i, j: 30 * s / math.sqrt(900 + s * s), "30.0f * s * rsqrtf(900.0f + s * s)", monotone=True)
+
+
+def test_monotone_claim_is_checked_per_problem():
+    """A claim that holds at b = h = 0 and small i, j but not for the problem's other heads, batches or far indices
+    passes when the modifier is made and is a ValueError when a problem is made with it (validate(), per shape)."""
+    z = np.zeros((2, 3, 12, 16), np.float16)
+    sign = M.ScoreMod("sign", lambda s, b, h, i, j, w: s * w[h], lambda s, b, h, i, j, w: s * w[h], "s * w[h]",
+                      buffers={"w": [1.0, 1.0, -1.0]}, monotone=True)
+    with pytest.raises(ValueError, match="decreases"):
+        make_problem(z, z, z, score_mod=sign)
+    make_problem(z[:, :2], z[:, :2], z[:, :2], score_mod=sign)            # heads 0 and 1 only: monotone there
+    odd_b = M.ScoreMod("odd_b", lambda s, b, h, i, j: s * (1 - 2 * (b % 2)), lambda s, b, h, i, j: s * (1 - 2 * (b % 2)),
+                       "s * (1 - 2 * (b % 2))", monotone=True)
+    with pytest.raises(ValueError, match="decreases"):
+        make_problem(z, z, z, score_mod=odd_b)
+    far = M.ScoreMod("far", lambda s, b, h, i, j: s - 100.0 * (i >= 4), lambda s, b, h, i, j: s - 100.0 * (i >= 4),
+                     "s - 100.0f * (i >= 4)", monotone=True)
+    with pytest.raises(ValueError, match="index"):
+        make_problem(z, z, z, score_mod=far)
+    make_problem(z, z, z, score_mod=M.softcap(20.0).with_sinks([0.0, 1.0, 2.0]))
 
 
 def test_monotone_switch_in_forward_modules_only():

@@ -438,8 +438,9 @@ register(Variant(
                   "modifier and row max, then its exponentials and row sums, in groups of two n8 blocks tied to the row "
                   "max / sums two groups back, so that the ALU work fills the issue slots between the MUFU ops (tanh, "
                   "exp2); the same result bit for bit; measured 3% (d = 128) and 6% (d = 64) faster with the soft-cap "
-                  "at N = 4k causal on the H100, less than a monotone modifier's row max first (ScoreMod.monotone, the "
-                  "soft-cap's default), which it overrides (kernels_cu/fa3_ws.cu); time it with "
+                  "at N = 4k causal on the H100; a monotone modifier's row max first (ScoreMod.monotone, the soft-cap's "
+                  "default) ties with it at d = 64 and is 4% faster at d = 128; mufu_pipe overrides it where both apply "
+                  "(kernels_cu/fa3_ws.cu); time it with "
                   "`python -m bench modifiers --variant fa3:mufu_pipe=true`"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
