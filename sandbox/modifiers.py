@@ -303,7 +303,8 @@ class ScoreMod:
     # takes a full tile's row max on the raw scores and applies the modifier to it, so that the exponentials need not
     # wait for the modifier's last element (kernels_cu/tc_mods.cuh mod_row_max). Checked on the NumPy form when made
     # (_check_monotone); a false claim the check misses moves the softmax's reference point only, which cancels
-    # between P and l, until P overflows
+    # between P and l, until P overflows. A replace() of cuda or cuda_factored keeps it: reset it there unless the
+    # new text is monotone too (the check reads the NumPy form, not the CUDA text)
     monotone: bool = False
 
     def __post_init__(self):
