@@ -153,7 +153,7 @@ def score_modifier(softcap, alibi_slopes, B: int, Hq: int, Nq: int, Nk: int, cau
     if not cap and alibi_slopes is None:
         return None
     if alibi_slopes is None:
-        return modifiers.softcap(cap)
+        return st._softcap_mod(cap)      # one ScoreMod per cap: no new modifier (and its checks) on every call
     if torch.is_tensor(alibi_slopes) and alibi_slopes.is_cuda:
         slopes = _device_slopes(alibi_slopes)
     else:

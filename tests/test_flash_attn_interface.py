@@ -133,6 +133,9 @@ def test_softcap_and_alibi_lse_is_flash_attns():
         np.testing.assert_allclose(lse, ref_lse.numpy(), rtol=1e-5, atol=1e-6)
     assert fa.score_modifier(0.0, None, 2, 4, 5, 9, False) is None
     assert fa.score_modifier(3.0, None, 2, 4, 5, 9, False).name == "softcap"
+    # the soft-cap alone: one modifier per cap value, reused by every call (identity-keyed caches hit)
+    assert fa.score_modifier(3.0, None, 2, 4, 5, 9, False) is fa.score_modifier(3.0, None, 1, 8, 7, 7, True)
+    assert fa.score_modifier(3.0, None, 2, 4, 5, 9, False) is not fa.score_modifier(4.0, None, 2, 4, 5, 9, False)
     assert modifiers.twin_errors(fa.score_modifier(2.0, slopes, 2, 4, 5, 9, False), B=2, H=4, Nq=5, Nk=9) == []
 
 
