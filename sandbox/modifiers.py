@@ -382,8 +382,6 @@ class ScoreMod:
             self.check(B, Hq, Nq, Nk)
         if self.monotone:
             _check_monotone(self, f"score_mod {self.name!r}", B, Hq, Nq, Nk)
-        if self.monotone:
-            _check_monotone(self, f"score_mod {self.name!r}", B, Hq, Nq, Nk)
 
     @property
     def is_identity(self) -> bool:
