@@ -192,10 +192,10 @@ class WsConfig:
         names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
         emu += ("-DFA_TRACE",) if self.trace else ()
-        turns = self.for_head_dim(D, mods is not None, score_text=mods is not None and
-                                  "-DFA_SCORE_MOD=1" in mods.options).softmax_turns
+        text = mods is not None and "-DFA_SCORE_MOD=1" in mods.options      # a score modifier's text compiled in
+        turns = self.for_head_dim(D, mods is not None, score_text=text).softmax_turns
         emu += ("-DFA_SOFTMAX_TURNS",) if turns else ()
-        pipe = self.mufu_pipe and mods is not None and "-DFA_SCORE_MOD=1" in mods.options   # changes nothing else
+        pipe = self.mufu_pipe and text                                       # changes nothing else
         emu += (f"-DFA_MUFU_PIPE={MUFU_PIPE_GROUP}",) if pipe else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
