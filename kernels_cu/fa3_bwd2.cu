@@ -121,6 +121,9 @@
 // score_mod_grad are the factored core and its derivative, mod(x) = post core(pre x), mod'(x) = post pre
 // core'(pre x), and the factors come as three more arguments, so that a modifier such as the soft-cap needs no
 // buffer load per element (ptxas keeps none of them in registers across the loop's wgmma fences).
+#ifdef FA_TANH_CORE
+#define FA_TANH_GRAD_X 0.5f
+#endif
 #ifdef FA_SCORE_FACTORED
 #define FACTORED_PARAMS , float mod_pre, float mod_post_log2e, float mod_grad_factor
 #else
@@ -419,7 +422,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         // P mod' o (dP Z - D), so that the derivative is never held beside P (32 registers more spill at
         // D = 128). One element pair (e0, e0 + 1: one key, queries x, x + 1) at a time.
         const float fj0 = (float)(col0 + wkey + g), fi0 = (float)(row0 + 2 * tq);   // tc_mods.cuh: fi, fj
-        auto exp_scores_mod = [&](bool check) {
+        auto exp_scores_mod = [&](bool check, bool grad_from_core) {
 #pragma unroll
             for (int n = 0; n < NQ; ++n)
 #pragma unroll
@@ -436,7 +439,12 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                             const float fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
 #ifdef FA_SCORE_FACTORED
                             const float xs = s[0][n][e] * scale_pre;
-                            p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * mod_post_log2e - L);
+                            const float core = score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS);
+                            p = exp2_ftz(core * mod_post_log2e - L);
+#ifdef FA_TANH_CORE
+                            if (grad_from_core) grad = fmaf(-core, core, 1.0f) * mod_grad_factor;   // sech^2 = 1 - tanh^2
+                            else
+#endif
                             grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS) * mod_grad_factor;
 #else
                             const float xs = s[0][n][e] * scale;
@@ -450,8 +458,26 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                     pa[n / 2][2 * (n % 2) + e0 / 2] = Elem<T>::pack(pp[0] * factor(n, e0), pp[1] * factor(n, e0 + 1));
                 }
         };
-        if (masked) exp_scores_mod(true);
-        else exp_scores_mod(false);
+#ifdef FA_TANH_CORE
+        // FA_TANH_CORE (sandbox/modifiers.py cuda_defines: a factored core fa_tanh(s) with derivative fa_sech2(s), the
+        // soft-cap's): where every argument x of the warp's tile has |x| <= FA_TANH_GRAD_X, the derivative is taken
+        // from the core's own value, sech^2 x = 1 - tanh^2 x (one FFMA), instead of fa_sech2 (an EX2 on the MUFU
+        // pipe and eight FMA-pipe instructions). MUFU.TANH's relative error (2^-11) then errs 1 - t^2 by at most
+        // 2 t^2 2^-11 / (1 - t^2) <= 2.7e-4 (2^-11.9) relative at |x| = 0.5; past that the cancellation grows
+        // (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile holding a larger one (or a NaN / inf:
+        // the comparison fails) keeps fa_sech2. Masked elements count too (their raw scores are finite).
+        float amax = 0.0f;
+#pragma unroll
+        for (int n = 0; n < NQ; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[0][n][e]), fabsf(s[0][n][e + 1])));
+        const bool small_x = __all_sync(0xffffffffu, amax * fabsf(scale_pre) <= FA_TANH_GRAD_X);
+#else
+        constexpr bool small_x = false;
+#endif
+        if (masked) exp_scores_mod(true, false);
+        else if (small_x) exp_scores_mod(false, true);
+        else exp_scores_mod(false, false);
 #endif
         wgmma_fence();
         wg_gemm_pv<T, D, BR>(dv[0], pa, do_tile);     // dV += P_drop^T dO

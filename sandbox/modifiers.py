@@ -629,7 +629,9 @@ def softcap(cap) -> ScoreMod:
     # that in P's exponent (bench/results/h100/2026-11-26-session-7.md). The wgmma2 backward compiles the
     # factored form too (cuda_factored_grad, the core's derivative fa_sech2(s)): the text's cap[0] and cap[1]
     # were two global loads per element there, which ptxas cannot hoist across the loop's wgmma fences; with
-    # the caps as literals the d = 128 backward ran 15% faster on the H100 (session 11).
+    # the caps as literals the d = 128 backward ran 15% faster on the H100 (session 11). There the pair
+    # fa_tanh(s) / fa_sech2(s) also compiles FA_TANH_CORE: in a tile whose |s / cap| stay within 0.5, sech^2 is
+    # 1 - tanh^2 from the tanh P needs anyway (kernels_cu/fa3_bwd2.cu; 25-29% faster on the H100, session 19).
     factored = FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1]
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
@@ -1024,6 +1026,9 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
             core_bwd = backward and factored and score_mod.backward_factored
             if core_bwd:
                 opts.append("-DFA_SCORE_FACTORED=1")
+                if " ".join(score_mod.cuda_factored[0].split()) == "fa_tanh(s)" and \
+                        " ".join(score_mod.cuda_factored_grad.split()) == "fa_sech2(s)":
+                    opts.append("-DFA_TANH_CORE=1")      # sech^2 from the core's tanh where the tile allows (fa3_bwd2.cu)
             text = (score_mod.cuda if backward and not core_bwd or score_mod.cuda_factored is None
                     else score_mod.cuda_factored[0])
             funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(text, where), score_mod.buffers, floats=True))

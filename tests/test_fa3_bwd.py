@@ -307,6 +307,38 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_softcap_sech2_from_tanh_matches_the_oracle_and_fa_sech2(dtype):
+    """The soft-cap's backward takes sech^2 from the core's tanh in tiles whose scores allow it (fa3_bwd2.cu
+    FA_TANH_CORE): against the oracle with small logits (that path), large ones (fa_sech2 kept) and dropout, and
+    side by side with the same modifier spelled so that the switch does not recognise it (fa_sech2 everywhere):
+    dv equal, dq and dk within a few 16-bit roundings of their largest element, and not equal (the path ran)."""
+    from sandbox import fuzz, modifiers
+    from sandbox.arrays import to_host
+    bound = sandbox.get_variant("fa3")
+    for case in [fuzz.Case(1, 4, 4, 512, 512, 128, dtype, {"causal": True, "score_mod": modifiers.softcap(30.0)}, 11),
+                 fuzz.Case(2, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": modifiers.softcap(5.0)}, 12),
+                 fuzz.Case(1, 2, 2, 640, 640, 128, dtype, {"score_mod": modifiers.softcap(20.0)}, 13, logit_scale=2.0),
+                 fuzz.Case(1, 2, 1, 300, 400, 64, dtype, {"score_mod": modifiers.softcap(2.0)}, 14, logit_scale=4.0),
+                 fuzz.Case(1, 2, 2, 512, 512, 128, dtype, {"score_mod": modifiers.softcap(50.0), "dropout_p": 0.1,
+                                                            "seed": 3}, 15)]:
+        fuzz.assert_case(bound, case, "backward")
+    cap = modifiers.softcap(30.0)
+    _, pre, post = cap.cuda_factored
+    spelled = dataclasses.replace(cap, cuda_factored=("fa_tanh((s))", pre, post))
+    assert "FA_TANH_CORE" not in " ".join(modifiers.cuda_defines(spelled, None, backward=True, factored=True))
+    for d in (64, 128):
+        q, k, v, do = fuzz.Case(1, 4, 4, 1024, 1024, d, dtype, {}, 21).inputs()
+        grads = [sandbox.backward(do, sandbox.forward(q, k, v, variant="fa3", causal=True, score_mod=sm))
+                 for sm in (cap, spelled)]
+        (dq, dk, dv), (dq0, dk0, dv0) = [[np.asarray(to_host(x), np.float32) for x in g] for g in grads]
+        np.testing.assert_array_equal(dv, dv0)
+        for a, b in ((dq, dq0), (dk, dk0)):
+            diff = np.abs(a - b).max() / np.abs(b).max()
+            assert 0 < diff <= (2.0 ** -9 if dtype == "float16" else 2.0 ** -6), (d, diff)     # 2^-11.6 on the H100
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma2_with_mask_modifiers_matches_the_oracle(dtype, d):

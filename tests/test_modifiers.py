@@ -4,6 +4,7 @@ deliberately wrong NumPy twin that the fuzzer must catch. Tiny shapes and few ex
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -528,9 +529,15 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
     assert cap.backward_factored and cap.backward_factors() == pytest.approx((1 / 7.0, 7.0 * LOG2E, 1.0))
     fac = " ".join(modifiers.cuda_defines(cap, None, backward=True, factored=True))
     assert "-DFA_SCORE_FACTORED=1" in fac and "return fa_tanh(s);" in fac and "return fa_sech2(s);" in fac
+    # the core tanh with derivative sech^2: fa3_bwd2 may take sech^2 from the tanh it has (FA_TANH_CORE), a
+    # modifier whose factored texts differ (a wrong derivative, another core) keeps its own derivative
+    assert "-DFA_TANH_CORE=1" in fac
+    for other in (dataclasses.replace(cap, cuda_factored_grad="1.1f * fa_sech2(s)"),
+                  dataclasses.replace(cap, cuda_factored=("fa_tanh(s) * 0.5f", 1 / 7.0, 7.0))):
+        assert "FA_TANH_CORE" not in " ".join(modifiers.cuda_defines(other, None, backward=True, factored=True))
     assert "cap[0]" not in fac.split("FA_MOD_FUNCS")[1]
     text = " ".join(modifiers.cuda_defines(cap, None, backward=True))
-    assert "FA_SCORE_FACTORED" not in text and "cap[0] * fa_tanh(s * cap[1])" in text
+    assert "FA_SCORE_FACTORED" not in text and "FA_TANH_CORE" not in text and "cap[0] * fa_tanh(s * cap[1])" in text
     assert "FA_SCORE_FACTORED" not in " ".join(modifiers.cuda_defines(cap, None, backward=False, factored=True))
     huge = modifiers.softcap(1e30)                       # no factored form: the text, whatever the kernel takes
     assert not huge.backward_factored
@@ -546,6 +553,22 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
         assert fa3_backward.factored_args(po, fa3_backward.backward_mods(po)) == ()
     with pytest.raises(ValueError, match="cuda_factored_grad"):
         ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored_grad="1.0f")
+
+
+def test_sech2_from_tanh_is_accurate_within_the_kernels_range():
+    """fa3_bwd2's FA_TANH_CORE takes sech^2 x = 1 - t^2 from t = MUFU.TANH(x) (relative error up to 2^-11, PTX ISA)
+    while every |x| of a warp's tile is at most FA_TANH_GRAD_X: at the worst rounding of t, 1 - t^2 stays within
+    2^-11.5 of sech^2 there (about fp16's own rounding), and it would not at |x| = 1 (the cancellation grows)."""
+    src = (Path(__file__).resolve().parents[1] / "kernels_cu" / "fa3_bwd2.cu").read_text()
+    x_max = float(re.search(r"#define FA_TANH_GRAD_X ([0-9.]+)f", src).group(1))
+    assert "fmaf(-core, core, 1.0f)" in src and "FA_TANH_GRAD_X" in src.split("exp_scores_mod(false, true)")[0]
+
+    def worst(limit):
+        x = np.linspace(-limit, limit, 100001)
+        exact = 1.0 / np.cosh(x) ** 2
+        return max(np.max(np.abs((1.0 - (np.tanh(x) * (1 + sgn * 2.0 ** -11)) ** 2) / exact - 1)) for sgn in (-1, 1))
+    assert worst(x_max) <= 2.0 ** -11.5
+    assert worst(1.0) > 2.0 ** -10
 
 
 def test_factored_scales_reach_the_forward_arguments_only():
