@@ -182,6 +182,11 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     const float scale_log2 = scale * LOG2E_F;
 #ifdef FA_SCORE_FACTORED
     const float scale_pre = scale * mod_pre;          // the factored core's argument: pre times the scaled score
+    // dS's factor post pre (mod' = post pre core'), applied with the scale in dK's epilogue (and, by the host, in
+    // fa3_bwd2_dq's) instead of once per score
+    const float ds_scale = scale * mod_grad_factor;
+#else
+    const float ds_scale = scale;
 #endif
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
@@ -442,10 +447,10 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                             const float core = score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS);
                             p = exp2_ftz(core * mod_post_log2e - L);
 #ifdef FA_TANH_CORE
-                            if (grad_from_core) grad = fmaf(-core, core, 1.0f) * mod_grad_factor;   // sech^2 = 1 - tanh^2
+                            if (grad_from_core) grad = fmaf(-core, core, 1.0f);        // sech^2 = 1 - tanh^2
                             else
 #endif
-                            grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS) * mod_grad_factor;
+                            grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS);   // times post pre: ds_scale
 #else
                             const float xs = s[0][n][e] * scale;
                             p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E_F - L);
@@ -596,7 +601,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         for (int n = 0; n < ND; ++n) {
             const int c = n * 8 + 2 * tq;
             if (c < d) {
-                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * scale, dk[0][n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[0][n][2 * hr] * ds_scale, dk[0][n][2 * hr + 1] * ds_scale);
                 *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[0][n][2 * hr], dv[0][n][2 * hr + 1]);
             }
         }

@@ -548,9 +548,13 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
     assert need == "text" and "-DFA_SCORE_FACTORED=1" in fa3_backward.module_mods(p, need).options
     args = fa3_backward.factored_args(p, need)
     assert [type(a) for a in args] == [np.float32] * 3 and np.allclose(args, (1 / 7.0, 7.0 * LOG2E, 1.0))
+    # dS leaves post pre to the epilogues: dK's in the kernel (ds_scale), dQ's through fa3_bwd2_dq's argument
+    assert fa3_backward.dq_scale(p, need) == np.float32(-0.5 * float(args[2]))
+    assert type(fa3_backward.dq_scale(p, need)) is np.float32
     for other in (modifiers.alibi([0.5]), modifiers.relative_bias(np.zeros((2, 3)), 1), huge):
         po = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=other)
         assert fa3_backward.factored_args(po, fa3_backward.backward_mods(po)) == ()
+        assert fa3_backward.dq_scale(po, fa3_backward.backward_mods(po)) == np.float32(-0.5)
     with pytest.raises(ValueError, match="cuda_factored_grad"):
         ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored_grad="1.0f")
 

@@ -76,6 +76,13 @@ def factored_args(p, need: str) -> tuple:
     return tuple(f32(x) for x in sm.backward_factors())
 
 
+def dq_scale(p, need: str):
+    """fa3_bwd2_dq's factor: the scale, times the factored form's post pre where fa3_bwd2 compiles its core (dS then
+    leaves that factor to the epilogues: fa3_bwd2.cu ds_scale)."""
+    fac = factored_args(p, need)
+    return f32(p.scale * float(fac[2])) if fac else f32(p.scale)
+
+
 def text_of(p, need: str) -> bool:
     """Whether fa3_bwd2's module compiles a score modifier's text (rows2: 64 query rows then)."""
     return need == "text" or (need == "mask" and p.score_mod is not None and not p.score_mod.is_identity)
@@ -266,7 +273,7 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
                         + (modifier_args(p, int(tile_b), xp) + factored_args(p, need) if mods is not None else ()))
     main({}, xp.cuda.get_current_stream())
     launch(u, dq_name(p.dtype), (-(-p.Nq // 64), p.B * p.Hq), (256,), (acc, dq, i32(p.Nq), i32(p.d), i32(D),
-                                                                     f32(p.scale)))
+                                                                     dq_scale(p, need)))
     return dq, dk, dv
 
 
@@ -302,7 +309,7 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
                      _args2(p, operands, Slot("dq_acc"), Slot("dk"), Slot("dv"), tiles, tile_heads, xp,
                             _dropout_slots(p)) + mod_rest),
         PackedLaunch(get_kernel(u, dq_name(p.dtype)).kernel, (-(-p.Nq // 64), p.B * p.Hq), (256,), 0,
-                     (Slot("dq_acc"), Slot("dq"), i32(p.Nq), i32(p.d), i32(D), f32(p.scale)))]
+                     (Slot("dq_acc"), Slot("dq"), i32(p.Nq), i32(p.d), i32(D), dq_scale(p, need)))]
 
     dtype = p.dtype           # the closure keeps no Problem: a plan must not hold the modifiers (fastpath.Plan)
 
