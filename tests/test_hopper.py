@@ -120,6 +120,26 @@ def test_softmax_turns_at_d64_follow_the_modules_score_text():
         assert ("-DFA_SOFTMAX_TURNS" in fa3.unit("float16", 64, mk).options) is (not text), kw
 
 
+def test_softmax_turns_at_d64_stop_for_a_long_distance_bias():
+    """At D = 64 a distance bias seeded into S (ALiBi) takes turns below AUTO_TURNS_BIAS_NK keys and not from there
+    (measured slower at 8k-16k); a document mask keeps them at every length, and D = 128 is unchanged."""
+    from sandbox import modifiers as M
+    from sandbox.problem import make_problem
+    from variants.fa2_tc import ModKernel
+    from variants.fa3_ws import AUTO_TURNS_BIAS_NK
+    bound = sandbox.get_variant("fa3")
+    for d, nk, kw, turns in ((64, AUTO_TURNS_BIAS_NK // 2, dict(score_mod=M.alibi([0.5])), True),
+                             (64, AUTO_TURNS_BIAS_NK, dict(score_mod=M.alibi([0.5])), False),
+                             (64, AUTO_TURNS_BIAS_NK, dict(mask_mod=M.document(np.arange(64) // 9, np.arange(AUTO_TURNS_BIAS_NK) // 999)),
+                              True),
+                             (128, AUTO_TURNS_BIAS_NK, dict(score_mod=M.alibi([0.5])), True)):
+        z = np.zeros((1, 1, nk, d), np.float16)
+        p = make_problem(z[:, :, :64], z, z, **kw)
+        c = bound.variant.impl._resolved(p, bound.config)
+        assert c.softmax_turns is turns, (d, nk, kw)
+        assert ("-DFA_SOFTMAX_TURNS" in c.unit("float16", d, ModKernel.of(p)).options) is turns, (d, nk, kw)
+
+
 def test_tma_strides():
     """What TMA can describe: 16-byte multiples; extent-1 dims get a usable stride; zero strides of
     broadcast dims and odd rows are refused (the generic path copies those to contiguous arrays)."""

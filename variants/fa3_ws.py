@@ -43,7 +43,7 @@ from sandbox.masks import UNBOUNDED, Band, mean_visible_keys
 from sandbox.registry import Param, Variant, philox_rounds_param, register
 
 from .fa2_tc import CTYPE, ITEMSIZE, TCConfig, _dropout_slots, forward_scale_log2
-from .fa2_tc import ModKernel, score_text
+from .fa2_tc import ModKernel, score_text, seeds_bias
 from .fa3_wgmma import ARCHS, AUTO_BC, BWD_KERNEL, CAPS, FA3Wgmma, d_pad, forward_tiles, has_mods, register_errors
 
 SMEM_LIMIT = SMEM_PER_BLOCK_OPTIN["sm_90"]
@@ -55,6 +55,7 @@ AUTO_CONSUMERS_D = 64      # consumers="auto": three consumer warpgroups (Br = 1
 AUTO_PERSISTENT_D = 128    # persistent="auto": the persistent grid at this padded head dim
 SHORT_KEYS = 3072          # ... and at D = 64 where a query row sees at most this many keys on average (short_walk)
 AUTO_TURNS_D = 128         # softmax_turns="auto": the consumers take turns at the softmax at this padded head dim
+AUTO_TURNS_BIAS_NK = 8192  # ... and at D = 64 with modifiers, but not for a distance bias (ALiBi) from this key length
 MUFU_PIPE_GROUP = 2        # mufu_pipe: n8 blocks per group of the pipelined softmax (kernels_cu/fa3_ws.cu pipe_full)
 
 
@@ -91,14 +92,16 @@ def row_shift(p, block_r: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False) -> "WsConfig":
+def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False,
+             long_bias: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
     plain = not config.pingpong and not explicit_turns and not mods
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     turns = config.softmax_turns
     if turns == "auto":
-        turns = ((D == AUTO_TURNS_D or D == AUTO_CONSUMERS_D and mods and not score_text) and consumers == 2
+        turns = ((D == AUTO_TURNS_D or D == AUTO_CONSUMERS_D and mods and not score_text and not long_bias)
+                 and consumers == 2
                  and config.overlap and not config.pingpong)
     c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent),
                             softmax_turns=bool(turns))
@@ -128,7 +131,8 @@ class WsConfig:
                                                          # False, True or "auto" (for_head_dim)
     mufu_pipe: bool = False                              # FA_MUFU_PIPE: a score-modified full tile's softmax pipelined
 
-    def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False) -> "WsConfig":
+    def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
+                     long_bias: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
@@ -143,10 +147,12 @@ class WsConfig:
         non-causal, 2-13% causal, 0-4% with modifiers; at D = 64 slower than three consumers: session 17), and at
         D = 64 with modifiers (two consumers) unless `score_text`, a score modifier compiled as text (FA_SCORE_MOD:
         the soft-cap, a relative bias): N = 4k causal, ALiBi 5%, a document mask 5%, sinks 1-8% faster, the soft-cap
-        5% slower and a relative bias 0-1% (session 18, call 3)."""
+        5% slower and a relative bias 0-1% (session 18, call 3), and unless `long_bias`, a distance bias seeded into S
+        (ALiBi) with Nk >= AUTO_TURNS_BIAS_NK: N = 2k-16k causal, turns made ALiBi 4-5% faster at 2k-4k but 8% slower
+        at 8k and 12% at 16k; document masks and sinks 0-9% faster at every N (session 19, call 6)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
-        return _resolve(self, D, mods, short, score_text)
+        return _resolve(self, D, mods, short, score_text, long_bias)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -301,7 +307,8 @@ class FA3WarpSpecialized(FA3Wgmma):
         # N = 4k: 0.92 -> 0.77 ms on the persistent grid, H100, session 13 call 8)
         short = (D == AUTO_CONSUMERS_D and config.persistent == "auto" and _fills_the_gpu(p)
                  and (p.mask_mod is not None or short_walk(p.Nq, p.Nk, p.causal, p.window)))
-        return config.for_head_dim(D, has_mods(p), short, score_text(p))
+        long_bias = D == AUTO_CONSUMERS_D and seeds_bias(p) and p.Nk >= AUTO_TURNS_BIAS_NK
+        return config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias)
 
     def check(self, problem, config, direction):
         super().check(problem, self._resolved(problem, config), direction)
