@@ -31,7 +31,20 @@ settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=Tr
 settings.register_profile("dev", max_examples=50, **_common)
 settings.register_profile("gpu", max_examples=int(os.environ.get("GPU_EXAMPLES", "150")), print_blob=True, **_common)
 settings.register_profile("thorough", max_examples=2000, **_common)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def hypothesis_profile(env) -> str:
+    """The profile a run loads: HYPOTHESIS_PROFILE where set; else `gpu` where GPU_EXAMPLES is set (the count
+    is that profile's, and alone it used to leave the `dev` profile's 50 examples in force, silently: session 19
+    found GPU runs that asked for 150 or 1,000 examples a test and ran 50); else `ci` under CI, else `dev`."""
+    if env.get("HYPOTHESIS_PROFILE"):
+        return env["HYPOTHESIS_PROFILE"]
+    if env.get("GPU_EXAMPLES"):
+        return "gpu"
+    return "ci" if env.get("CI") else "dev"
+
+
+settings.load_profile(hypothesis_profile(os.environ))
 
 
 def pytest_collection_modifyitems(config, items):
