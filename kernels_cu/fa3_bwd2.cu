@@ -99,7 +99,8 @@
 //                                   BR = 64, or 128 at D = 64 without dropout (change 4).
 //   fa3_bwd2_pre<T>              grid (ceil(Nq / 128) 2, B*Hq), 256 threads, before fa3_bwd2: D = rowsum(dO o O) and
 //                                lse in padded rows, dQacc zeroed (one launch for fa2-tc's rowdot kernel and a memset).
-//   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T.
+//   fa3_bwd2_dq<T>               grid (ceil(Nq / 64), B*Hq), 256 threads: dq = scale * dQacc in T (the host's scale
+//                                times a factored modifier's post pre: variants/fa3_backward.py dq_scale).
 // Envelope: D in {64, 128}; sm_90a. Not deterministic (reduction order); the deterministic dQ stays
 // fa2-tc's (variants/fa3_wgmma.py).
 // Shared memory (bytes, variants/fa3_backward.py smem2): K, V 2 * 128 D * 2; Q, dO two buffers each
@@ -469,14 +470,18 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         // from the core's own value, sech^2 x = 1 - tanh^2 x (one FFMA), instead of fa_sech2 (an EX2 on the MUFU
         // pipe and eight FMA-pipe instructions). MUFU.TANH's relative error (2^-11) then errs 1 - t^2 by at most
         // 2 t^2 2^-11 / (1 - t^2) <= 2.7e-4 (2^-11.9) relative at |x| = 0.5; past that the cancellation grows
-        // (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile holding a larger one (or a NaN / inf:
-        // the comparison fails) keeps fa_sech2. Masked elements count too (their raw scores are finite).
-        float amax = 0.0f;
+        // (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile holding a larger one (or an inf: the comparison
+        // fails) keeps fa_sech2. fmaxf drops a NaN score, which then gives a NaN either way (1 - NaN^2). Masked tiles
+        // (block-uniform) keep fa_sech2 and skip the vote.
+        bool small_x = false;
+        if (!masked) {
+            float amax = 0.0f;
 #pragma unroll
-        for (int n = 0; n < NQ; ++n)
+            for (int n = 0; n < NQ; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[0][n][e]), fabsf(s[0][n][e + 1])));
-        const bool small_x = __all_sync(0xffffffffu, amax * fabsf(scale_pre) <= FA_TANH_GRAD_X);
+                for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[0][n][e]), fabsf(s[0][n][e + 1])));
+            small_x = __all_sync(0xffffffffu, amax * fabsf(scale_pre) <= FA_TANH_GRAD_X);
+        }
 #else
         constexpr bool small_x = false;
 #endif
@@ -590,7 +595,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     reduce_pending();
     if (issuer) bulk_wait<0>();                       // this block's reductions are complete
 
-    // dK = scale dS^T Q, dV: this warp's 16 keys
+    // dK = ds_scale dS^T Q (scale, times a factored modifier's post pre), dV: this warp's 16 keys
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         const int j = col0 + wkey + g + 8 * hr;

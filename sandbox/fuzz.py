@@ -97,7 +97,7 @@ def _relative_bias(rng, B, Hq, Nq, Nk):
 # The built-in score modifiers by name (the feature names of `features`), then in the order the
 # fuzzer draws them; "sinks" draws sinks alone or with a soft-cap.
 SCORE_MOD_FACTORIES = {
-    "softcap": lambda rng, B, Hq, Nq, Nk: modifiers.softcap(float(rng.choice([0.5, 2.0, 20.0]))),
+    "softcap": lambda rng, B, Hq, Nq, Nk: modifiers.softcap(float(rng.choice([0.5, 2.0, 20.0, 50.0]))),
     "alibi": lambda rng, B, Hq, Nq, Nk: modifiers.alibi(rng.uniform(-1.0, 0.5, _heads(rng, Hq))),
     "relative_bias": _relative_bias,
     "sinks": lambda rng, B, Hq, Nq, Nk: modifiers.sinks(rng.normal(0.0, 2.0, _heads(rng, Hq))),

@@ -630,7 +630,7 @@ def softcap(cap) -> ScoreMod:
     # factored form too (cuda_factored_grad, the core's derivative fa_sech2(s)): the text's cap[0] and cap[1]
     # were two global loads per element there, which ptxas cannot hoist across the loop's wgmma fences; with
     # the caps as literals the d = 128 backward ran 15% faster on the H100 (session 11). There the pair
-    # fa_tanh(s) / fa_sech2(s) also compiles FA_TANH_CORE: in a tile whose |s / cap| stay within 0.5, sech^2 is
+    # fa_tanh(s) / fa_sech2(s) also compiles FA_TANH_CORE: in a tile whose |scale s / cap| stay within 0.5, sech^2 is
     # 1 - tanh^2 from the tanh P needs anyway (kernels_cu/fa3_bwd2.cu; 25-29% faster on the H100, session 19).
     factored = FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1]
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",

@@ -1,9 +1,9 @@
 """Hypothesis profiles, the gpu marker, and the example counts printed at the end of a run.
 
-Profiles (HYPOTHESIS_PROFILE, default `ci` under CI=true, else `dev`):
+Profiles (HYPOTHESIS_PROFILE; without it `gpu` where GPU_EXAMPLES is set, `ci` under CI=true, else `dev`):
     ci        small and derandomised: the same examples every run, fast on 2 cores
     dev       a little more, random
-    gpu       the GPU suite: enough examples per test for the issue's totals
+    gpu       the GPU suite: GPU_EXAMPLES examples per test (150 unless set)
     thorough  long fuzzing sessions
 deadline=None everywhere: the first call of a kernel compiles it.
 """

@@ -236,6 +236,14 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
                                     ("float16", 128, 0.0, "relative_bias"), ("float16", 128, 0.0, "softcap"))]
     for u in text:
         assert "-DFA_SCORE_MOD_GRAD=1" in u.options and "-DFA_DIST_BIAS=1" not in u.options
+    # the soft-cap's module as a backward runs it: the factored core and derivative, FA_TANH_CORE
+    for dt, D, drop in (("float16", 128, 0.0), ("bfloat16", 128, 0.2), ("float16", 64, 0.0)):
+        p = dataclasses.replace(_alibi_problem(D, drop), score_mod=score_mods()["softcap"])
+        need = fa3_backward.backward_mods(p)
+        u = fa3_backward.unit2(dt, D, 10, serial=False, mods=fa3_backward.module_mods(p, need),
+                               text_mod=fa3_backward.text_of(p, need))
+        assert "-DFA_TANH_CORE=1" in u.options and "-DFA_SCORE_FACTORED=1" in u.options
+        text.append(u)
     from sandbox import modifiers
     doc = modifiers.document(np.arange(300) // 150)
     masked = []
@@ -310,7 +318,8 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_softcap_sech2_from_tanh_matches_the_oracle_and_fa_sech2(dtype):
     """The soft-cap's backward takes sech^2 from the core's tanh in tiles whose scores allow it (fa3_bwd2.cu
-    FA_TANH_CORE): against the oracle with small logits (that path), large ones (fa_sech2 kept) and dropout, and
+    FA_TANH_CORE): against the oracle with small logits (that path), large ones (fa_sech2 kept) and dropout, with a
+    factored modifier whose post pre is 2 (moved out of the per-score loop: fa3_bwd2.cu ds_scale), and
     side by side with the same modifier spelled so that the switch does not recognise it (fa_sech2 everywhere):
     dv equal, dq and dk within a few 16-bit roundings of their largest element, and not equal (the path ran)."""
     from sandbox import fuzz, modifiers
@@ -322,6 +331,12 @@ def test_softcap_sech2_from_tanh_matches_the_oracle_and_fa_sech2(dtype):
                  fuzz.Case(1, 2, 1, 300, 400, 64, dtype, {"score_mod": modifiers.softcap(2.0)}, 14, logit_scale=4.0),
                  fuzz.Case(1, 2, 2, 512, 512, 128, dtype, {"score_mod": modifiers.softcap(50.0), "dropout_p": 0.1,
                                                             "seed": 3}, 15)]:
+        fuzz.assert_case(bound, case, "backward")
+    # a factored modifier with post pre = 2 (the soft-cap's is 1): dS leaves that factor to dK's epilogue and dQ's
+    # scale, which a dropped or doubled factor fails; small logits (sech^2 from tanh) and large ones (fa_sech2)
+    from mod_cases import twice_softcap
+    for case in [fuzz.Case(1, 4, 2, 512, 512, 128, dtype, {"causal": True, "score_mod": twice_softcap(20.0)}, 16),
+                 fuzz.Case(1, 2, 2, 300, 400, 64, dtype, {"score_mod": twice_softcap(2.0)}, 17, logit_scale=4.0)]:
         fuzz.assert_case(bound, case, "backward")
     cap = modifiers.softcap(30.0)
     _, pre, post = cap.cuda_factored

@@ -551,6 +551,11 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
     # dS leaves post pre to the epilogues: dK's in the kernel (ds_scale), dQ's through fa3_bwd2_dq's argument
     assert fa3_backward.dq_scale(p, need) == np.float32(-0.5 * float(args[2]))
     assert type(fa3_backward.dq_scale(p, need)) is np.float32
+    from mod_cases import twice_softcap
+    two = twice_softcap(7.0)            # post pre = 2: dQ's scale must carry it (the soft-cap's is 1)
+    assert "-DFA_TANH_CORE=1" in " ".join(modifiers.cuda_defines(two, None, backward=True, factored=True))
+    p2 = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=two)
+    assert fa3_backward.dq_scale(p2, fa3_backward.backward_mods(p2)) == np.float32(-1.0)
     for other in (modifiers.alibi([0.5]), modifiers.relative_bias(np.zeros((2, 3)), 1), huge):
         po = sandbox.problem.make_problem(q, q, q, scale=-0.5, score_mod=other)
         assert fa3_backward.factored_args(po, fa3_backward.backward_mods(po)) == ()
