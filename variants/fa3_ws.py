@@ -149,7 +149,8 @@ class WsConfig:
         the soft-cap, a relative bias): N = 4k causal, ALiBi 5%, a document mask 5%, sinks 1-8% faster, the soft-cap
         5% slower and a relative bias 0-1% (session 18, call 3), and unless `long_bias`, a distance bias seeded into S
         (ALiBi) with Nk >= AUTO_TURNS_BIAS_NK: N = 2k-16k causal, turns made ALiBi 4-5% faster at 2k-4k but 8% slower
-        at 8k and 12% at 16k; document masks and sinks 0-9% faster at every N (session 19, call 6)."""
+        at 8k and 12% at 16k; document masks and sinks 0-9% faster at every N (session 19, call 6; measured with
+        Nq = Nk, causal: the rule's use of Nk alone for other shapes is unmeasured)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
         return _resolve(self, D, mods, short, score_text, long_bias)
