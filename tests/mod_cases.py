@@ -2,7 +2,6 @@
 tests/test_modifiers_hopper.py for the Hopper rungs): one problem shape, the built-in modifiers
 drawn the same way, and the C parameter types MOD_PARAMS declares (kernels_cu/tc_mods.cuh) once a
 module's -D options are substituted, to hold the host's argument packing to them."""
-import math
 import re
 
 import numpy as np
@@ -26,16 +25,13 @@ def twice_softcap(c: float) -> M.ScoreMod:
     """2 c tanh(s / c): the soft-cap's factored texts (core fa_tanh(s), derivative fa_sech2(s), so FA_TANH_CORE too)
     with post pre = 2 instead of 1, so that a backward that drops or doubles the factor (fa3_bwd2.cu ds_scale,
     fa3_backward.dq_scale) fails the oracle."""
-    def grad_np(s, b, h, i, j):
-        e = np.exp(-2.0 * np.abs(s / c))
-        return 8.0 * e / (1.0 + e) ** 2
-
-    def grad_scalar(s, b, h, i, j):
-        e = math.exp(-2.0 * abs(s / c))
-        return 8.0 * e / ((1.0 + e) * (1.0 + e))
-    return M.ScoreMod("twice_softcap", lambda s, b, h, i, j: 2 * c * np.tanh(s / c),
-                      lambda s, b, h, i, j: 2 * c * math.tanh(s / c), f"{2 * c:.1f}f * fa_tanh(s * {1 / c:.9e}f)",
-                      grad_np, grad_scalar, f"2.0f * fa_sech2(s * {1 / c:.9e}f)", params={"c": c},
+    cap = (c, 1.0 / c)             # the soft-cap's buffer layout, for its NumPy and scalar forms (sandbox/modifiers.py)
+    return M.ScoreMod("twice_softcap", lambda s, b, h, i, j: 2 * M._softcap_np(s, b, h, i, j, cap),
+                      lambda s, b, h, i, j: 2 * M._softcap_scalar(s, b, h, i, j, cap),
+                      f"{2 * c:.1f}f * fa_tanh(s * {1 / c:.9e}f)",
+                      lambda s, b, h, i, j: 2 * M._softcap_grad_np(s, b, h, i, j, cap),
+                      lambda s, b, h, i, j: 2 * M._softcap_grad_scalar(s, b, h, i, j, cap),
+                      f"2.0f * fa_sech2(s * {1 / c:.9e}f)", params={"c": c},
                       cuda_factored=("fa_tanh(s)", 1 / c, 2 * c), cuda_factored_grad="fa_sech2(s)", monotone=True)
 
 
