@@ -73,7 +73,7 @@
 // eligible warp 61% of cycles, no spill traffic: latency-bound at eight warps per SM. fa3_bwd2_dq, the D
 // preprocessing and the accumulator's memset are 3-5% of the backward.
 //
-// 4. BR = 128 query rows per step at D = 64 without dropout or a score modifier's text (FA3's hdim-64 tile,
+// 4. BR = 128 query rows per step at D = 64 without dropout (FA3's hdim-64 tile,
 //    128 x 128; variants/fa3_backward.py rows2). Each warpgroup's S^T and dP^T are m64n128 (at m64n64 with
 //    both operands in shared memory a wgmma needs the SM's whole 128 B/clk: every step was bound by shared
 //    memory), each warpgroup's dQ block is whole (64 queries x 64 over all 128 keys, from dS^T panel wg), so
@@ -85,6 +85,13 @@
 //    Measured (bench/results/h100/2026-11-26-session-8.md, same run, N = 2k-16k): backward +25-38% (267-302 ->
 //    354-400 TFLOP/s non-causal, 213-298 -> 267-408 causal), forward + backward 0.90-0.97x cuDNN: more than
 //    predicted (not profiled; the count above leaves out the partial exchange's wait and the per-step costs).
+//
+// 5. (session 20) BR = 128 with a score modifier's text at D = 64 too: it had spilled (524 bytes, the soft-cap), so
+//    such modules ran BR = 64. chain_rows (below) orders the modifier loop's row blocks; full tiles evaluate the
+//    modifier without the per-element branch. Predicted: the text path gains what plain attention gained from
+//    BR = 128 (-20-28% time). Measured (H100, fp16, causal, B N = 16k, same run, the old build beside the new):
+//    soft-cap 2.99 -> 2.42 ms at N = 4k, 5.40 -> 4.25 at 8k (over plain causal +53% -> +24%); relative bias
+//    3.07 -> 2.39, 5.47 -> 4.13; at D = 128 (BR = 64, only the branch-free full tiles) -1.5% and -4%.
 //
 // Score modifiers (issue 18; variants/fa3_backward.py backward_mods): a distance bias (ALiBi) seeds S^T as the
 // forward seeds S; any other score modifier with a derivative compiles its text (tc_mods.cuh FA_SCORE_MOD,
@@ -107,8 +114,8 @@
 // 4 * BR D * 2; dS^T 128 * BR * 2; dQ staging 2 warpgroups * 2 * 16384; lse, D 4 * BR * 4; two mbarriers 16;
 // 1024 of alignment: 215056 at D = 128, 199696 at D = 64 (BR = 128), 149520 at D = 64 with dropout (BR = 64).
 // Compile report (NVRTC 13.5, sm_90a, fp16): D = 128 245 registers (254 with dropout), D = 64 249 (BR = 128;
-// 226 with dropout at BR = 64), no spills, no wgmma serialized (ptxas C7515 / C7519); fa3_bwd2_dq 26,
-// fa3_bwd2_pre 40.
+// 226 with dropout at BR = 64; the soft-cap's text 250 at BR = 128), no spills, no wgmma serialized (ptxas C7515 /
+// C7519); fa3_bwd2_dq 26, fa3_bwd2_pre 40.
 #include "tc_softmax.cuh"
 #include "tc_mods.cuh"
 #include "hopper.cuh"
@@ -136,6 +143,21 @@
 #else
 #define BWD2_SERIAL false
 #endif
+
+// chain_rows (BR = 128 with a score modifier's text): the next row block's four scores get an OR with this block's
+// results (its four P mod' and two packed P words) times a runtime zero, so that none of the next block's work, its
+// MUFU operations included, can issue before this block's results exist. Without it ptxas issued every element's
+// MUFU operations first and kept each P beside its derivative until the products and packs at the end (sunk past the
+// three copies of the loop): up to 64 values more than the loop needs, 524 bytes of spills for the soft-cap (NVRTC
+// 13.5), and 64 query rows per step instead of 128. With it: 250 registers, no spills; 2-3 ALU operations per element
+// more.
+__device__ __forceinline__ void chain_rows(const float (&done)[4], unsigned pa0, unsigned pa1, float (&next)[4],
+                                           unsigned zero) {
+    const unsigned z = (pa0 | pa1 | __float_as_uint(done[0]) | __float_as_uint(done[1]) | __float_as_uint(done[2]) |
+                        __float_as_uint(done[3])) & zero;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) next[e] = __uint_as_float(__float_as_uint(next[e]) | z);
+}
 
 // ---- kernels
 
@@ -430,7 +452,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         const float fj0 = (float)(col0 + wkey + g), fi0 = (float)(row0 + 2 * tq);   // tc_mods.cuh: fi, fj
         auto exp_scores_mod = [&](bool check, bool grad_from_core) {
 #pragma unroll
-            for (int n = 0; n < NQ; ++n)
+            for (int n = 0; n < NQ; ++n) {
 #pragma unroll
                 for (int e0 = 0; e0 < 4; e0 += 2) {
                     float pp[2];
@@ -439,7 +461,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                         const int e = e0 + u, x = n * 8 + 2 * tq + u, i = row0 + x;
                         const int dj = e >= 2 ? 8 : 0, j = col0 + wkey + g + dj;
                         const float L = cL[x] * LOG2E_F;
-                        const bool vis = L != NEG_INF && (!check || in_mask(n, e, i, j));
+                        // a full tile (check false) evaluates the modifier everywhere (every (i, j) is in range) and
+                        // zeroes a dead row's P after (L = -inf: P = inf there, its grad finite), without a branch
+                        const bool vis = !check || (L != NEG_INF && in_mask(n, e, i, j));
                         float p = 0.0f, grad = 0.0f;
                         if (vis) {
                             const float fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
@@ -457,12 +481,17 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                             p = exp2_ftz(score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E_F - L);
                             grad = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS);
 #endif
+                            if (!check) p = L != NEG_INF ? p : 0.0f;
                         }
                         pp[u] = p;
                         s[0][n][e] = p * grad;
                     }
                     pa[n / 2][2 * (n % 2) + e0 / 2] = Elem<T>::pack(pp[0] * factor(n, e0), pp[1] * factor(n, e0 + 1));
                 }
+                // BR = 128: row block n + 1 starts after block n's P mod' and P are written (see chain_rows)
+                if (BR == 128 && n + 1 < NQ)
+                    chain_rows(s[0][n], pa[n / 2][2 * (n % 2)], pa[n / 2][2 * (n % 2) + 1], s[0][n + 1], (unsigned)Nq >> 31);
+            }
         };
 #ifdef FA_TANH_CORE
         // FA_TANH_CORE (sandbox/modifiers.py cuda_defines: a factored core fa_tanh(s) with derivative fa_sech2(s), the

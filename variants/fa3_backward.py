@@ -5,8 +5,8 @@ Seed: FA2 paper Algorithm 2 (column-parallel, P recomputed from the logsumexp, D
 precomputed, dQ accumulated in fp32 across key blocks) with its five GEMMs on wgmma (FA3 paper Sec. 3).
 The preprocessing D = rowsum(dO o O) is fa2-tc's kernel (fa2_tc_bwd_rowdot) for wgmma, fa3_bwd2_pre (D, lse in
 padded rows for bulk copies, the dQ accumulator zeroed) for wgmma2. Tile: 128 keys per block
-(64 per warpgroup), 64 query rows per step; wgmma2 takes 128 at d <= 64 without dropout or a modifier's
-text (`rows2`: FA3's 128 x 128 tile for head dim 64).
+(64 per warpgroup), 64 query rows per step; wgmma2 takes 128 at d <= 64 without dropout (`rows2`: FA3's
+128 x 128 tile for head dim 64).
 - wgmma: dQ by float4 atomics of each warpgroup's key half into an fp32 dq, cast at the end (as
   fa2-tc's atomic backward).
 - wgmma2: one dQ partial per block and Q tile (the warpgroups split its columns), staged in shared
@@ -81,11 +81,6 @@ def dq_scale(p, need: str):
     leaves that factor to the epilogues: fa3_bwd2.cu ds_scale)."""
     fac = factored_args(p, need)
     return f32(p.scale * float(fac[2])) if fac else f32(p.scale)
-
-
-def text_of(p, need: str) -> bool:
-    """Whether fa3_bwd2's module compiles a score modifier's text (rows2: 64 query rows then)."""
-    return need == "text" or (need == "mask" and p.score_mod is not None and not p.score_mod.is_identity)
 
 
 def name(dtype: str, D: int, dropout: bool, rounds: int) -> str:
@@ -163,13 +158,13 @@ def backward_plan(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
 
 # ---- bwd_kernel="wgmma2": kernels_cu/fa3_bwd2.cu
 
-def rows2(D: int, dropout: bool, text_mod: bool = False) -> int:
-    """fa3_bwd2's query rows per step (BR): 128 at D = 64 without dropout or a score modifier's text (FA3's
-    128 x 128 tile for head dim 64: each warpgroup's S^T and dP^T are m64n128, twice the work per
-    barrier and per operand byte of m64n64, and the two warpgroups' dQ blocks are whole, not partials
-    over their keys), else 64 (dropout's keep bits, a modifier's text or D = 128's accumulators leave no
-    registers for 128)."""
-    return 128 if D == 64 and not dropout and not text_mod else 64
+def rows2(D: int, dropout: bool) -> int:
+    """fa3_bwd2's query rows per step (BR): 128 at D = 64 without dropout (FA3's 128 x 128 tile for head dim 64:
+    each warpgroup's S^T and dP^T are m64n128, twice the work per barrier and per operand byte of m64n64, and
+    the two warpgroups' dQ blocks are whole, not partials over their keys), else 64 (dropout's keep bits or
+    D = 128's accumulators leave no registers for 128). A score modifier's text fits at 128 since session 20
+    (kernels_cu/fa3_bwd2.cu chain_rows)."""
+    return 128 if D == 64 and not dropout else 64
 
 
 def name2(dtype: str, D: int, dropout: bool, rounds: int, rows: int | None = None) -> str:
@@ -203,16 +198,15 @@ def acc_shape(p, D: int) -> tuple:
     return (p.B * p.Hq, -(-p.Nq // 64), 64 * D)
 
 
-def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None,
-          text_mod: bool = False) -> CompileUnit:
+def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: ModKernel | None = None) -> CompileUnit:
     """Both dropout switches (each with its rows2) and the dq kernel in one module; `serial` (default
     SERIAL) adds -DFA3_BWD2_SERIAL (a separate module and cache entry, never in the CI gate). `mods`: a
-    score modifier's options (backward_mods "seed": the forward's, ModKernel.of(p); "text": the backward's,
-    with `text_mod`), one dropout switch."""
+    score modifier's options (backward_mods "seed": the forward's, ModKernel.of(p); "text" and "mask": the
+    backward's, module_mods), one dropout switch."""
     serial = SERIAL if serial is None else serial
     drops = (False, True) if mods is None else (mods.dropout,)
-    main = tuple(name2(dtype, D, drop, rounds, rows2(D, drop, text_mod)) for drop in drops)
-    shared = {n: smem2(D, rows2(D, drop, text_mod)) for n, drop in zip(main, drops)}
+    main = tuple(name2(dtype, D, drop, rounds, rows2(D, drop)) for drop in drops)
+    shared = {n: smem2(D, rows2(D, drop)) for n, drop in zip(main, drops)}
     shared[dq_name(dtype)] = shared[pre_name(dtype)] = 0
     opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
     return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype), pre_name(dtype)), opts, shared,
@@ -254,12 +248,11 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     dq = xp.empty((p.B, p.Hq, p.Nq, p.d), dtype=q.dtype)
     dk = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
     dv = xp.empty((p.B, p.Hkv, p.Nk, p.d), dtype=q.dtype)
-    text = text_of(p, need)
-    rows = rows2(D, dropout, text)
+    rows = rows2(D, dropout)
     # the tile table with a mask modifier's classes folded in ([B or 1] x [Hq or 1] rows; without one the usual)
     tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
     mods = module_mods(p, need)
-    u = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text)
+    u = unit2(p.dtype, D, tc.philox_rounds, mods=mods)
     kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
     launch(u, pre_name(p.dtype), (npad // 64, p.B * p.Hq), (256,),
            (dout, *strides4(dout)[:3], out, *strides4(out)[:3], lse, lse_pad, Dv, acc, i32(p.Hq), i32(p.Nq), i32(p.d),
@@ -288,11 +281,9 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     D, dropout = d_pad(p.d), p.dropout_p > 0
     npad = padded_rows(p.Nq)
     need = backward_mods(p)
-    text = text_of(p, need)
-    rows = rows2(D, dropout, text)
+    rows = rows2(D, dropout)
     mods = module_mods(p, need)
-    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods, text_mod=text), name2(p.dtype, D, dropout,
-                                                                                    tc.philox_rounds, rows)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds, rows)
     tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
     mod_rest = modifier_args(p, int(tile_b), xp) + factored_args(p, need) if mods is not None else ()
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
