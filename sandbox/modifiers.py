@@ -73,6 +73,7 @@ import functools
 import hashlib
 import inspect
 import math
+import re
 import weakref
 from typing import Callable
 
@@ -339,6 +340,12 @@ class ScoreMod:
         if not isinstance(self.monotone, bool):
             raise TypeError(f"{where}: monotone must be a bool, got {self.monotone!r}")
         if self.monotone:
+            text = self.cuda_factored[0] if self.cuda_factored is not None else self.cuda
+            if re.search(r"\b(i|j|fi|fj)\b", text):
+                # fa3's forward applies a monotone modifier to a full tile's row max (i = j = 0 there), which only a
+                # text that reads neither index may take; the NumPy check below cannot see the CUDA text
+                raise ValueError(f"{where}: monotone=True, but its compiled text {text!r} names i, j, fi or fj: "
+                                 "monotone means a function of the score (and of b, h) alone")
             _check_monotone(self, where)
 
     def __repr__(self):

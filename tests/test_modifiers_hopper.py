@@ -419,7 +419,7 @@ def test_monotone_claim_is_checked_when_made():
     sq = M.ScoreMod("square", lambda s, b, h, i, j: s * s, lambda s, b, h, i, j: s * s, "s * s")
     with pytest.raises(ValueError, match="decreases"):
         dataclasses.replace(sq, monotone=True)
-    with pytest.raises(ValueError, match="index"):
+    with pytest.raises(ValueError, match="names i, j, fi or fj"):      # its text reads i and j
         dataclasses.replace(M.alibi([0.5]), monotone=True)
     with pytest.raises(TypeError, match="monotone"):
         dataclasses.replace(M.softcap(2.0), monotone=1)
@@ -444,10 +444,17 @@ def test_monotone_claim_is_checked_per_problem():
                        "s * (1 - 2 * (b % 2))", monotone=True)
     with pytest.raises(ValueError, match="decreases"):
         make_problem(z, z, z, score_mod=odd_b)
+    # the NumPy form reads i past the indices checked when made (its CUDA text may not name i at all: below)
     far = M.ScoreMod("far", lambda s, b, h, i, j: s - 100.0 * (i >= 4), lambda s, b, h, i, j: s - 100.0 * (i >= 4),
-                     "s - 100.0f * (i >= 4)", monotone=True)
+                     "s - 100.0f * (b >= 4)", monotone=True)
     with pytest.raises(ValueError, match="index"):
         make_problem(z, z, z, score_mod=far)
+    # a compiled text that names i, j, fi or fj is refused when made (fa3's forward runs a monotone modifier on a
+    # full tile's row max with i = j = 0, whatever its NumPy form says)
+    for text in ("s - 100.0f * (i >= 4)", "s + w[j] * 0.0f", "s + 0.0f * fi", "fj > 0.0f ? s : s"):
+        with pytest.raises(ValueError, match="names i, j, fi or fj"):
+            M.ScoreMod("far", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, text, monotone=True)
+    M.ScoreMod("near", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s + 0.0f * (float)(b + h)", monotone=True)
     make_problem(z, z, z, score_mod=M.softcap(20.0).with_sinks([0.0, 1.0, 2.0]))
 
 
