@@ -462,7 +462,9 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                         const int dj = e >= 2 ? 8 : 0, j = col0 + wkey + g + dj;
                         const float L = cL[x] * LOG2E_F;
                         // a full tile (check false) evaluates the modifier everywhere (every (i, j) is in range) and
-                        // zeroes a dead row's P after (L = -inf: P = inf there, its grad finite), without a branch
+                        // zeroes a dead row's P after (L = -inf: P = inf there), without a branch; such a row (a text
+                        // that sends a whole row to -inf) then gets dS = 0 mod', NaN where mod' is not finite there,
+                        // as the oracle's ds mod' does; masked tiles skip its elements (P = mod' = 0)
                         const bool vis = !check || (L != NEG_INF && in_mask(n, e, i, j));
                         float p = 0.0f, grad = 0.0f;
                         if (vis) {

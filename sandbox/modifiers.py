@@ -341,7 +341,7 @@ class ScoreMod:
             raise TypeError(f"{where}: monotone must be a bool, got {self.monotone!r}")
         if self.monotone:
             text = self.cuda_factored[0] if self.cuda_factored is not None else self.cuda
-            if re.search(r"\b(i|j|fi|fj)\b", text):
+            if re.search(r"\b(i|j|fi|fj)\b", re.sub(r"/\*.*?\*/", " ", text, flags=re.S)):   # /* */ comments aside
                 # fa3's forward applies a monotone modifier to a full tile's row max (i = j = 0 there), which only a
                 # text that reads neither index may take; the NumPy check below cannot see the CUDA text
                 raise ValueError(f"{where}: monotone=True, but its compiled text {text!r} names i, j, fi or fj: "

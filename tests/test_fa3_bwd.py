@@ -231,13 +231,15 @@ def test_wgmma2_with_score_modifiers_compiles_within_the_spill_gate():
              for D in (64, 128) for drop in (0.0, 0.2)]
     for u in units:
         assert "-DFA_DIST_BIAS=1" in u.options and len(u.names) == 3 and "alibi:" in u.label
+    text_specs = (("float16", 64, 0.2, "softcap"), ("bfloat16", 128, 0.2, "softcap+sinks"),
+                  ("float16", 128, 0.0, "relative_bias"), ("float16", 128, 0.0, "softcap"),
+                  ("float16", 64, 0.0, "relative_bias"), ("bfloat16", 64, 0.0, "softcap+sinks"))
     text = [fa3_backward.unit2(dt, D, 10, serial=False, mods=ModKernel.of(
                 dataclasses.replace(_alibi_problem(D, drop), score_mod=score_mods()[sm]), backward=True))
-            for dt, D, drop, sm in (("float16", 64, 0.2, "softcap"), ("bfloat16", 128, 0.2, "softcap+sinks"),
-                                    ("float16", 128, 0.0, "relative_bias"), ("float16", 128, 0.0, "softcap"),
-                                    ("float16", 64, 0.0, "relative_bias"), ("bfloat16", 64, 0.0, "softcap+sinks"))]
-    for u in text:
+            for dt, D, drop, sm in text_specs]
+    for u, (_, D, drop, _) in zip(text, text_specs):
         assert "-DFA_SCORE_MOD_GRAD=1" in u.options and "-DFA_DIST_BIAS=1" not in u.options
+        assert (", 64, 128, 10," in u.names[0]) == (D == 64 and not drop), u.names    # rows2: 128 with a text too
     # the soft-cap's module as a backward runs it: the factored core and derivative, FA_TANH_CORE
     for dt, D, drop in (("float16", 128, 0.0), ("bfloat16", 128, 0.2), ("float16", 64, 0.0)):
         p = dataclasses.replace(_alibi_problem(D, drop), score_mod=score_mods()["softcap"])
@@ -293,7 +295,10 @@ def test_wgmma2_with_score_modifiers_matches_the_oracle(dtype, d):
              fuzz.Case(2, 4, 4, 77, 140, d, dtype, {"score_mod": modifiers.softcap(2.0).with_sinks([1.0]),
                                                     "dropout_p": 0.2, "seed": 5, "scale": -0.2}, 7),
              fuzz.Case(1, 4, 1, 90, 90, d, dtype, {"score_mod": modifiers.relative_bias(
-                 np.random.default_rng(0).standard_normal((4, 9)), 4), "window": (30, 30)}, 8)]
+                 np.random.default_rng(0).standard_normal((4, 9)), 4), "window": (30, 30)}, 8),
+             # a text on full tiles (Nq = Nk = 256: 128-row tiles at d = 64 since session 20), non-causal
+             fuzz.Case(1, 2, 2, 256, 256, d, dtype, {"score_mod": modifiers.relative_bias(
+                 np.random.default_rng(1).standard_normal((2, 9)), 4)}, 10)]
     bound = sandbox.get_variant("fa3")
     for case in cases:
         p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)

@@ -455,6 +455,8 @@ def test_monotone_claim_is_checked_per_problem():
         with pytest.raises(ValueError, match="names i, j, fi or fj"):
             M.ScoreMod("far", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, text, monotone=True)
     M.ScoreMod("near", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s + 0.0f * (float)(b + h)", monotone=True)
+    M.ScoreMod("noted", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s /* the same for every i and j */",
+               monotone=True)
     make_problem(z, z, z, score_mod=M.softcap(20.0).with_sinks([0.0, 1.0, 2.0]))
 
 

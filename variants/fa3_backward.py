@@ -163,7 +163,8 @@ def rows2(D: int, dropout: bool) -> int:
     each warpgroup's S^T and dP^T are m64n128, twice the work per barrier and per operand byte of m64n64, and
     the two warpgroups' dQ blocks are whole, not partials over their keys), else 64 (dropout's keep bits or
     D = 128's accumulators leave no registers for 128). A score modifier's text fits at 128 since session 20
-    (kernels_cu/fa3_bwd2.cu chain_rows)."""
+    (kernels_cu/fa3_bwd2.cu chain_rows): the built-ins in 250-254 registers without spills (the CPU spill gate,
+    tests/test_fa3_bwd.py); a heavier user text may spill there, which costs time, not correctness."""
     return 128 if D == 64 and not dropout else 64
 
 
