@@ -168,8 +168,8 @@ def rows2(D: int, dropout: bool) -> int:
     return 128 if D == 64 and not dropout else 64
 
 
-def name2(dtype: str, D: int, dropout: bool, rounds: int, rows: int | None = None) -> str:
-    rows = rows2(D, dropout) if rows is None else rows
+def name2(dtype: str, D: int, dropout: bool, rounds: int) -> str:
+    rows = rows2(D, dropout)
     return f"fa3_bwd2<{CTYPE[dtype]}, {D}, {rows}, {rounds}, {'true' if dropout else 'false'}>"
 
 
@@ -206,7 +206,7 @@ def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: Mod
     backward's, module_mods), one dropout switch."""
     serial = SERIAL if serial is None else serial
     drops = (False, True) if mods is None else (mods.dropout,)
-    main = tuple(name2(dtype, D, drop, rounds, rows2(D, drop)) for drop in drops)
+    main = tuple(name2(dtype, D, drop, rounds) for drop in drops)
     shared = {n: smem2(D, rows2(D, drop)) for n, drop in zip(main, drops)}
     shared[dq_name(dtype)] = shared[pre_name(dtype)] = 0
     opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
@@ -254,7 +254,7 @@ def backward2(variant: str, p, dout, q, k, v, out, lse, tc: TCConfig):
     tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
     mods = module_mods(p, need)
     u = unit2(p.dtype, D, tc.philox_rounds, mods=mods)
-    kname = name2(p.dtype, D, dropout, tc.philox_rounds, rows)
+    kname = name2(p.dtype, D, dropout, tc.philox_rounds)
     launch(u, pre_name(p.dtype), (npad // 64, p.B * p.Hq), (256,),
            (dout, *strides4(dout)[:3], out, *strides4(out)[:3], lse, lse_pad, Dv, acc, i32(p.Hq), i32(p.Nq), i32(p.d),
             i32(D)))
@@ -284,7 +284,7 @@ def backward_plan2(variant: str, p, tc: TCConfig, strides) -> LaunchPlan:
     need = backward_mods(p)
     rows = rows2(D, dropout)
     mods = module_mods(p, need)
-    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds, rows)
+    u, kname = unit2(p.dtype, D, tc.philox_rounds, mods=mods), name2(p.dtype, D, dropout, tc.philox_rounds)
     tiles, tile_heads, tile_b = modifier_tiles(p, rows, BC, xp)
     mod_rest = modifier_args(p, int(tile_b), xp) + factored_args(p, need) if mods is not None else ()
     st = {nm: tuple(i64(x) for x in strides[nm][:3]) for nm in strides}
