@@ -250,6 +250,70 @@ __device__ __forceinline__ void mod_row_max(float (&mx)[MT][2], int b, int h, MO
 }
 #endif
 
+#ifdef FA_TANH_CORE
+// FA_TANH_CORE (sandbox/modifiers.py cuda_defines): the compiled core is fa_tanh(s), the soft-cap's factored form
+// mod(s) = post tanh(pre s). Where every argument x of a warp's tile has |x| <= FA_TANH_POLY_X, tanh x is taken on the
+// FMA pipe as x (c0 + c1 x^2 + c2 x^4) instead of by MUFU.TANH, the quarter-rate unit whose second op per element
+// (beside the softmax's EX2) bounded the soft-capped softmax (kernels_cu/fa3_ws.cu). The coefficients are a
+// relative minimax fit over |x| <= 0.5 (Lawson iterations; float32 Horner form): 2.3e-5 relative error at most,
+// against MUFU.TANH's 2^-11 = 4.9e-4 (tests/test_modifiers.py models it in float32 across the range). A tile with
+// a larger |x| (or an inf: the comparison fails) keeps fa_tanh; fmaxf drops a NaN, which the polynomial carries
+// (NaN in, NaN out, as MUFU.TANH). Users' data keep |pre s| small: Gemma 2 caps at 50 logits that rarely pass 25.
+// FA_TANH_MUFU (variants/fa3_ws.py tanh_poly=False) keeps fa_tanh everywhere: the rung below, for the tables.
+#define FA_TANH_POLY_X 0.5f
+#define FA_TANH_C0 0.99997741f
+#define FA_TANH_C1 -0.33169150f
+#define FA_TANH_C2 0.11520973f
+__device__ __forceinline__ float tanh_poly(float x) {
+    const float y = x * x;
+    return x * fmaf(fmaf(FA_TANH_C2, y, FA_TANH_C1), y, FA_TANH_C0);
+}
+
+// The largest |s| among this thread's scores (0 for none; NaN dropped).
+template <int MT, int NT>
+__device__ __forceinline__ float abs_max(const float (&s)[MT][NT][4]) {
+    float a = 0.0f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) a = fmaxf(a, fmaxf(fabsf(s[mt][n][e]), fabsf(s[mt][n][e + 1])));
+    return a;
+}
+
+#ifdef FA_SCORE_MONOTONE
+// softmax_scores for a full tile of raw scores s whose |mod_scale s| all lie within FA_TANH_POLY_X, the soft-cap's
+// tanh by tanh_poly: mx (the raw row maxima) made the modified ones, then p = 2^(post log2 e tanh(x) - m) with
+// scale_log2 = post log2 e folded into the polynomial's coefficients, so that an element costs FMUL x, FMUL x^2, two
+// FFMAs and the exponent's FFMA beside its EX2.
+template <bool COND, int MT, int NT>
+__device__ __forceinline__ void softmax_scores_tanh(float (&s)[MT][NT][4], float (&m)[MT][2], float (&l)[MT][2],
+                                                    float (&mx)[MT][2], float mod_scale, float scale_log2,
+                                                    float (&corr)[MT][2]) {
+    const float k0 = FA_TANH_C0 * scale_log2, k1 = FA_TANH_C1 * scale_log2, k2 = FA_TANH_C2 * scale_log2;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+            const float m_use = softmax_row_max<COND>(m[mt][hr], tanh_poly(mx[mt][hr] * mod_scale), scale_log2,
+                                                      corr[mt][hr]);
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int e = 2 * hr; e < 2 * hr + 2; ++e) {
+                    const float x = s[mt][n][e] * mod_scale, y = x * x;
+                    const float p = softmax_exp2(fmaf(x, fmaf(fmaf(k2, y, k1), y, k0), -m_use), n);
+                    s[mt][n][e] = p;
+                    sum += p;
+                }
+            l[mt][hr] = l[mt][hr] * corr[mt][hr] + sum;
+        }
+}
+#endif
+#endif
+
 template <bool SEEDED = false, int MT, int NT>
 __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, int cls, const Mask& mask, int b,
                                            int h, int row_base, int col0, int Nq, int Nk, int g, int tq, MOD_FN_PARAMS) {
