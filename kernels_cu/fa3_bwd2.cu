@@ -129,6 +129,9 @@
 // score_mod_grad are the factored core and its derivative, mod(x) = post core(pre x), mod'(x) = post pre
 // core'(pre x), and the factors come as three more arguments, so that a modifier such as the soft-cap needs no
 // buffer load per element (ptxas keeps none of them in registers across the loop's wgmma fences).
+#ifdef FA_TANH_CORE
+#define FA_TANH_GRAD_X 0.5f
+#endif
 #ifdef FA_SCORE_FACTORED
 #define FACTORED_PARAMS , float mod_pre, float mod_post_log2e, float mod_grad_factor
 #else
@@ -468,13 +471,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                             const float fi = fi0 + (float)(n * 8 + u), fj = fj0 + (float)dj;
 #ifdef FA_SCORE_FACTORED
                             const float xs = s[0][n][e] * scale_pre;
-#if defined(FA_TANH_CORE) && !defined(FA_TANH_MUFU)
-                            // the small tile's tanh on the FMA pipe (tc_mods.cuh tanh_poly: |xs| <= 0.5 there)
-                            const float core = grad_from_core ? tanh_poly(xs)
-                                                              : score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS);
-#else
                             const float core = score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS);
-#endif
                             p = exp2_ftz(core * mod_post_log2e - L);
 #ifdef FA_TANH_CORE
                             if (grad_from_core) grad = fmaf(-core, core, 1.0f);        // sech^2 = 1 - tanh^2
@@ -500,17 +497,22 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         };
 #ifdef FA_TANH_CORE
         // FA_TANH_CORE (sandbox/modifiers.py cuda_defines: a factored core fa_tanh(s) with derivative fa_sech2(s), the
-        // soft-cap's): where every argument x of the warp's tile has |x| <= FA_TANH_POLY_X (0.5), tanh x is
-        // tanh_poly's (tc_mods.cuh: FMA-pipe instructions instead of MUFU.TANH, 2.3e-5 relative error) and the
-        // derivative is taken from it, sech^2 x = 1 - tanh^2 x (one FFMA), instead of fa_sech2 (an EX2 on the MUFU
-        // pipe and eight FMA-pipe instructions): 1 - t^2 then errs by at most 2 t^2 2.3e-5 / (1 - t^2) = 1.5e-5
-        // relative at |x| = 0.5. Past 0.5 the polynomial does not hold and the cancellation grows (sech^2 4 = 1.3e-3
-        // is MUFU.TANH's absolute error), so a tile holding a larger x (or an inf: the comparison fails) keeps fa_tanh
-        // and fa_sech2. fmaxf drops a NaN score, which then gives a NaN either way. Masked tiles (block-uniform)
-        // keep both and skip the vote. With FA_TANH_MUFU (the rung below) the small tiles take MUFU.TANH's t, whose
-        // 2^-11 relative error errs 1 - t^2 by up to 2.7e-4 relative at |x| = 0.5.
+        // soft-cap's): where every argument x of the warp's tile has |x| <= FA_TANH_GRAD_X, the derivative is taken
+        // from the core's own value, sech^2 x = 1 - tanh^2 x (one FFMA), instead of fa_sech2 (an EX2 on the MUFU
+        // pipe and eight FMA-pipe instructions). MUFU.TANH's relative error (2^-11) then errs 1 - t^2 by at most
+        // 2 t^2 2^-11 / (1 - t^2) <= 2.7e-4 (2^-11.9) relative at |x| = 0.5; past that the cancellation grows
+        // (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile holding a larger one (or an inf: the comparison
+        // fails) keeps fa_sech2. fmaxf drops a NaN score, which then gives a NaN either way (1 - NaN^2). Masked tiles
+        // (block-uniform) keep fa_sech2 and skip the vote.
         bool small_x = false;
-        if (!masked) small_x = __all_sync(0xffffffffu, abs_max(s) * fabsf(scale_pre) <= FA_TANH_POLY_X);
+        if (!masked) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[0][n][e]), fabsf(s[0][n][e + 1])));
+            small_x = __all_sync(0xffffffffu, amax * fabsf(scale_pre) <= FA_TANH_GRAD_X);
+        }
 #else
         constexpr bool small_x = false;
 #endif

@@ -404,14 +404,6 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             // that ptxas may interleave the two (none crosses the branches' join)
             if (full) {
                 row_max(s, mx);
-#if defined(FA_TANH_CORE) && !defined(FA_TANH_MUFU)
-                // the soft-cap's tanh on the FMA pipe where the warp's tile allows it (tc_mods.cuh tanh_poly)
-                if (__all_sync(0xffffffffu, abs_max(s) * mod_scale <= FA_TANH_POLY_X)) {
-                    softmax_scores_tanh<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, mod_scale, scale_log2, corr);
-                    if (DROPOUT) apply_dropout<R>(s, drop, bh, row0 + wrow, col0, g, tq);
-                    return;
-                }
-#endif
                 mod_row_max(mx, b, h, MOD_FN_ARGS);
                 mod_scores<FA_SEED_S>(s, true, cls, mask, b, h, row0 + wrow, col0, Nq, Nk, g, tq, MOD_FN_ARGS);
                 softmax_scores<COND_RESCALE<ND, DROPOUT>>(s, m, l, mx, scale_log2, corr);

@@ -638,9 +638,7 @@ def softcap(cap) -> ScoreMod:
     # were two global loads per element there, which ptxas cannot hoist across the loop's wgmma fences; with
     # the caps as literals the d = 128 backward ran 15% faster on the H100 (session 11). There the pair
     # fa_tanh(s) / fa_sech2(s) also compiles FA_TANH_CORE: in a tile whose |scale s / cap| stay within 0.5, sech^2 is
-    # 1 - tanh^2 from the tanh P needs anyway (kernels_cu/fa3_bwd2.cu; 25-29% faster on the H100, session 19), and
-    # that tanh is a polynomial on the FMA pipe (tc_mods.cuh tanh_poly), as in fa3's forward, whose module compiles
-    # FA_TANH_CORE for the core fa_tanh(s) alone.
+    # 1 - tanh^2 from the tanh P needs anyway (kernels_cu/fa3_bwd2.cu; 25-29% faster on the H100, session 19).
     factored = FACTOR_RANGE[0] <= cap <= FACTOR_RANGE[1]
     return ScoreMod("softcap", _softcap_np, _softcap_scalar, "cap[0] * fa_tanh(s * cap[1])",
                     _softcap_grad_np, _softcap_grad_scalar, "fa_sech2(s * cap[1])",
@@ -1043,9 +1041,6 @@ def cuda_defines(score_mod: "ScoreMod | None", mask_mod: "MaskMod | None", backw
             funcs.append(_cuda_fn("score_mod", "float s, ", _one_line(text, where), score_mod.buffers, floats=True))
             if score_mod.monotone and not backward:        # a full tile's row max before the modifier (fa3_ws.cu)
                 opts.append("-DFA_SCORE_MONOTONE=1")
-            if not backward and score_mod.cuda_factored is not None and \
-                    " ".join(score_mod.cuda_factored[0].split()) == "fa_tanh(s)":
-                opts.append("-DFA_TANH_CORE=1")          # the tanh on the FMA pipe where the tile allows (fa3_ws.cu)
             if backward:
                 opts.append("-DFA_SCORE_MOD_GRAD=1")
                 grad = score_mod.cuda_factored_grad if core_bwd else score_mod.cuda_grad

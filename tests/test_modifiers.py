@@ -564,49 +564,13 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
         ScoreMod("t", lambda s, b, h, i, j: s, lambda s, b, h, i, j: s, "s", cuda_factored_grad="1.0f")
 
 
-def _tanh_poly_model():
-    """tc_mods.cuh's tanh_poly in float32 (its coefficients and limit read from the header), and the limit."""
-    src = (Path(__file__).resolve().parents[1] / "kernels_cu" / "tc_mods.cuh").read_text()
-    c = [np.float32(re.search(rf"#define FA_TANH_C{k} ([-0-9.e]+)f", src).group(1)) for k in range(3)]
-    x_max = float(re.search(r"#define FA_TANH_POLY_X ([0-9.]+)f", src).group(1))
-
-    def poly(x):
-        x = np.asarray(x, np.float32)
-        y = x * x
-        h = (c[2].astype(np.float64) * y + c[1]).astype(np.float32)        # fmaf: one rounding
-        h = (h.astype(np.float64) * y + c[0]).astype(np.float32)
-        return x * h
-    return poly, x_max
-
-
-def test_tanh_poly_beats_mufu_tanh_within_its_range():
-    """The soft-cap's tanh on the FMA pipe (tc_mods.cuh tanh_poly, FA_TANH_CORE): within |x| <= FA_TANH_POLY_X its
-    float32 evaluation errs by at most 2.5e-5 relative (MUFU.TANH: 2^-11 = 4.9e-4), is odd, and is exact at 0; past
-    the limit it does not hold (why the kernels vote on the tile first)."""
-    poly, x_max = _tanh_poly_model()
-    x = np.linspace(-x_max, x_max, 200001, dtype=np.float32)
-    x = x[x != 0]
-    rel = np.abs(poly(x).astype(np.float64) / np.tanh(x.astype(np.float64)) - 1)
-    assert rel.max() <= 2.5e-5
-    assert np.array_equal(poly(-x), -poly(x)) and poly(np.float32(0.0)) == 0.0
-    assert np.isnan(poly(np.float32(np.nan)))
-    wide = np.linspace(2 * x_max, 4 * x_max, 101, dtype=np.float32)
-    assert np.max(np.abs(poly(wide) / np.tanh(wide.astype(np.float64)) - 1)) > 1e-3
-
-
 def test_sech2_from_tanh_is_accurate_within_the_kernels_range():
-    """fa3_bwd2's FA_TANH_CORE takes sech^2 x = 1 - t^2 from t = tanh_poly(x) while every |x| of a warp's tile is at
-    most FA_TANH_POLY_X: 1 - t^2 then stays within 2^-15 of sech^2 there. The rung below (FA_TANH_MUFU) takes t from
-    MUFU.TANH (relative error up to 2^-11, PTX ISA): at its worst rounding 1 - t^2 stays within 2^-11.5 (about fp16's
-    own rounding) over the same range, and it would not at |x| = 1 (the cancellation grows)."""
+    """fa3_bwd2's FA_TANH_CORE takes sech^2 x = 1 - t^2 from t = MUFU.TANH(x) (relative error up to 2^-11, PTX ISA)
+    while every |x| of a warp's tile is at most FA_TANH_GRAD_X: at the worst rounding of t, 1 - t^2 stays within
+    2^-11.5 of sech^2 there (about fp16's own rounding), and it would not at |x| = 1 (the cancellation grows)."""
     src = (Path(__file__).resolve().parents[1] / "kernels_cu" / "fa3_bwd2.cu").read_text()
-    poly, x_max = _tanh_poly_model()
-    before = src.split("exp_scores_mod(false, true)")[0]
-    assert "fmaf(-core, core, 1.0f)" in src and "FA_TANH_POLY_X" in before and "tanh_poly(xs)" in before
-    x = np.linspace(-x_max, x_max, 100001)
-    exact = 1.0 / np.cosh(x) ** 2
-    t = poly(x.astype(np.float32)).astype(np.float64)
-    assert np.max(np.abs((1.0 - t * t) / exact - 1)) <= 2.0 ** -15
+    x_max = float(re.search(r"#define FA_TANH_GRAD_X ([0-9.]+)f", src).group(1))
+    assert "fmaf(-core, core, 1.0f)" in src and "FA_TANH_GRAD_X" in src.split("exp_scores_mod(false, true)")[0]
 
     def worst(limit):
         x = np.linspace(-limit, limit, 100001)
@@ -614,25 +578,6 @@ def test_sech2_from_tanh_is_accurate_within_the_kernels_range():
         return max(np.max(np.abs((1.0 - (np.tanh(x) * (1 + sgn * 2.0 ** -11)) ** 2) / exact - 1)) for sgn in (-1, 1))
     assert worst(x_max) <= 2.0 ** -11.5
     assert worst(1.0) > 2.0 ** -10
-
-
-def test_softcap_forward_compiles_the_tanh_core_switch():
-    """A forward module of the soft-cap (factored core fa_tanh(s)) compiles FA_TANH_CORE (fa3's tanh_poly path);
-    another core does not; fa3's tanh_poly=False adds FA_TANH_MUFU to such a module only."""
-    from variants.fa2_tc import ModKernel
-    cap = modifiers.softcap(7.0)
-    assert "-DFA_TANH_CORE=1" in modifiers.cuda_defines(cap, None)
-    half = dataclasses.replace(cap, cuda_factored=("fa_tanh(s) * 0.5f", 1 / 7.0, 7.0), monotone=False)
-    assert "-DFA_TANH_CORE=1" not in modifiers.cuda_defines(half, None)
-    assert "-DFA_TANH_CORE=1" not in modifiers.cuda_defines(modifiers.softcap(1e30), None)     # no factored form
-    q = np.zeros((1, 2, 4, 64), np.float16)
-    impl = sandbox.get_variant("fa3").variant.impl
-    for mod, expect in ((cap, True), (modifiers.alibi([0.5, 0.25]), False)):
-        p = sandbox.problem.make_problem(q, q, q, causal=True, score_mod=mod)
-        on = impl.configure().unit("float16", 64, ModKernel.of(p))
-        off = impl.configure(tanh_poly=False).unit("float16", 64, ModKernel.of(p))
-        assert "-DFA_TANH_MUFU" not in on.options
-        assert ("-DFA_TANH_MUFU" in off.options) == expect and ("tanh_mufu" in off.label) == expect
 
 
 def test_factored_scales_reach_the_forward_arguments_only():

@@ -360,9 +360,8 @@ def _switch_units(switch: str) -> dict:
     """{D: (unit with the switch, unit without)}: fa3's soft-cap forward at D = 64 and 128, fp16, with and without
     mufu_pipe or the soft-cap's monotone row max."""
     sc = _score_mods()["softcap"]
-    if switch in ("-DFA_MUFU_PIPE=2", "-DFA_TANH_MUFU"):
-        kw = {"mufu_pipe": True} if switch == "-DFA_MUFU_PIPE=2" else {"tanh_poly": False}
-        on, off = get_variant("fa3", **kw).config, get_variant("fa3").config
+    if switch == "-DFA_MUFU_PIPE=2":
+        on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
         return {D: tuple(c.unit("float16", D, ModKernel.of(_problem(sc, None, d=D))) for c in (on, off))
                 for D in (64, 128)}
     cfg = get_variant("fa3").config
@@ -370,11 +369,11 @@ def _switch_units(switch: str) -> dict:
                      for m in (sc, dataclasses.replace(sc, monotone=False))) for D in (64, 128)}
 
 
-@pytest.mark.parametrize("switch", ["-DFA_MUFU_PIPE=2", "-DFA_SCORE_MONOTONE=1", "-DFA_TANH_MUFU"])
+@pytest.mark.parametrize("switch", ["-DFA_MUFU_PIPE=2", "-DFA_SCORE_MONOTONE=1"])
 def test_softcap_switch_builds_without_spills(switch):
-    """The pipelined soft-cap forward (mufu_pipe), the one with its row max first (ScoreMod.monotone) and the one
-    with MUFU.TANH in every tile (tanh_poly=False), D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma
-    serialized, and a cubin other than the one without the switch (it reaches the kernel's code)."""
+    """The pipelined soft-cap forward (mufu_pipe) and the one with its row max first (ScoreMod.monotone), D = 64 and
+    128 (sm_90a, fp16): no spills, no stack, no wgmma serialized, and a cubin other than the one without the switch
+    (it reaches the kernel's code)."""
     units = _switch_units(switch)
     reports = compile_reports([u for pair in units.values() for u in pair], "sm_90")    # skips on a GPU machine
     for D, (u_on, u_off) in units.items():
@@ -519,37 +518,11 @@ def test_monotone_row_max_matches_oracle_and_the_max_after_the_modifier(dtype):
         sm = case.options["score_mod"]
         a = sandbox_forward(q, k, v, **case.options)
         b = sandbox_forward(q, k, v, **{**case.options, "score_mod": dataclasses.replace(sm, monotone=False)})
-        # the same up to rounding: the reference points may differ by MUFU.TANH's steps down (above), and full tiles
-        # of small |s / cap| take tanh_poly's tanh (tc_mods.cuh) in the monotone branch only
+        # the same up to rounding (the reference points may differ by MUFU.TANH's steps down, above): bit for bit
+        # on the H100 in these cases and at N = 4k, but not promised
         np.testing.assert_allclose(np.asarray(a.out, np.float32), np.asarray(b.out, np.float32), rtol=2 ** -7,
                                    atol=2 ** -12, err_msg=str(case))
         np.testing.assert_allclose(np.asarray(a.lse), np.asarray(b.lse), rtol=1e-6, atol=1e-5, err_msg=str(case))
-
-
-# ---- the soft-cap's tanh on the FMA pipe (tanh_poly, kernels_cu/tc_mods.cuh FA_TANH_CORE)
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tanh_poly_matches_oracle_and_the_mufu_rung(dtype):
-    """fa3's soft-cap forward and backward with tanh_poly (the default) against the oracle, and the forward against
-    tanh_poly=False (MUFU.TANH in every tile) up to MUFU.TANH's error: small logits (every full tile on the polynomial),
-    logits that cross the limit in some tiles and not others (both paths in one launch), caps small and large,
-    d = 64 and 128 (the backward's 128 and 64 query rows), GQA, a document mask and dropout."""
-    docs = M.document(np.repeat([0, 1], 200)[None])
-    cases = [fuzz.Case(1, 4, 2, 512, 512, 64, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 1),
-             fuzz.Case(1, 2, 2, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(50.0)}, 2, logit_scale=6.0),
-             fuzz.Case(2, 2, 1, 384, 384, 64, dtype, {"score_mod": M.softcap(8.0)}, 3, logit_scale=3.0),
-             fuzz.Case(1, 2, 2, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(5.0), "mask_mod": docs}, 4),
-             fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": M.softcap(20.0), "dropout_p": 0.2,
-                                                       "seed": 5}, 5)]
-    for case in cases:
-        fuzz.assert_case(get_variant("fa3"), case, "backward")
-        q, k, v = case.inputs()[:3]
-        a = sandbox_forward(q, k, v, **case.options)
-        b = sandbox_forward(q, k, v, tanh_poly=False, **case.options)
-        np.testing.assert_allclose(np.asarray(a.out, np.float32), np.asarray(b.out, np.float32), rtol=2 ** -6,
-                                   atol=2 ** -10, err_msg=str(case))
-        np.testing.assert_allclose(np.asarray(a.lse), np.asarray(b.lse), rtol=1e-4, atol=1e-4, err_msg=str(case))
 
 
 def sandbox_forward(q, k, v, **kw):

@@ -130,8 +130,6 @@ class WsConfig:
     softmax_turns: object = "auto"                       # FA_SOFTMAX_TURNS: the consumers take turns at the softmax;
                                                          # False, True or "auto" (for_head_dim)
     mufu_pipe: bool = False                              # FA_MUFU_PIPE: a score-modified full tile's softmax pipelined
-    tanh_poly: bool = True                               # the soft-cap's tanh on the FMA pipe in small tiles (FA_TANH_CORE);
-                                                         # False: MUFU.TANH everywhere (FA_TANH_MUFU), the rung below
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
                      long_bias: bool = False) -> "WsConfig":
@@ -206,14 +204,11 @@ class WsConfig:
         emu += ("-DFA_SOFTMAX_TURNS",) if turns else ()
         pipe = self.mufu_pipe and text                                       # changes nothing else
         emu += (f"-DFA_MUFU_PIPE={MUFU_PIPE_GROUP}",) if pipe else ()
-        mufu_tanh = not self.tanh_poly and mods is not None and "-DFA_TANH_CORE=1" in mods.options
-        emu += ("-DFA_TANH_MUFU",) if mufu_tanh else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{', trace' if self.trace else ''}"
                                  f"{', softmax_turns' if turns else ''}{', mufu_pipe' if pipe else ''}"
-                                 f"{', tanh_mufu' if mufu_tanh else ''}"
                                  f"{mods.label if mods else ''}]",
                            archs=ARCHS)
 
@@ -290,10 +285,10 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
                   exp2_fma=0, persistent="auto", trace=False, softmax_turns="auto",
-                  mufu_pipe=False, tanh_poly=True):
+                  mufu_pipe=False):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace,
-                        softmax_turns, mufu_pipe, tanh_poly)
+                        softmax_turns, mufu_pipe)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -421,11 +416,6 @@ PARAMS = (
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
-    Param("tanh_poly", (True, False), True, "the soft-cap's forward (a factored core fa_tanh(s)): in a full tile whose "
-          "|s / cap| all stay within 0.5, tanh by an odd polynomial on the FMA pipe (2.3e-5 relative error; "
-          "kernels_cu/tc_mods.cuh tanh_poly) instead of MUFU.TANH (2^-11), which shares the quarter-rate pipe with the "
-          "softmax's exp2; False: MUFU.TANH everywhere, the rung below (the backward, fa3_bwd2, takes the polynomial "
-          "in such tiles either way)"),
 )
 
 register(Variant(
