@@ -112,6 +112,14 @@ FA_MOD_FUNCS
 #define MOD_PARAMS , int mod_tile_b, float mod_scale, const float* __restrict__ mod_sink FA_SM_PARAMS FA_MM_PARAMS
 #define MOD_FN_PARAMS float mod_scale FA_SM_PARAMS FA_MM_PARAMS
 #define MOD_FN_ARGS mod_scale FA_SM_ARGS FA_MM_ARGS
+// The factor from the kernel's raw scores to the s a score modifier sees: mod_scale, or 1 where the kernel has
+// multiplied Q by mod_scale before its S GEMM (FA_Q_PRESCALE, fa3_ws.cu prescale_q), so that no FMUL per element is
+// left (a literal 1.0f: the compiler drops s * 1.0f, exact for every s).
+#ifdef FA_Q_PRESCALE
+#define MOD_SCORE_SCALE 1.0f
+#else
+#define MOD_SCORE_SCALE mod_scale
+#endif
 
 // ---- device helpers
 
@@ -209,7 +217,7 @@ __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& m
                                   : MODE == PART_CAUSAL ? mask.visible(h, i, j) && j - i <= Nk - Nq
                                                         : mod_visible(mask, b, h, i, j, MOD_FN_ARGS));
 #ifdef FA_SCORE_MOD
-                if (vis) s[mt][n][e] = score_mod(s[mt][n][e] * mod_scale, b, h, i, j, fi0 + (float)di, fj0 + (float)dj
+                if (vis) s[mt][n][e] = score_mod(s[mt][n][e] * MOD_SCORE_SCALE, b, h, i, j, fi0 + (float)di, fj0 + (float)dj
                                                  FA_SM_ARGS);
 #endif
                 if (!vis) s[mt][n][e] = NEG_INF;
@@ -246,7 +254,7 @@ __device__ __forceinline__ void mod_row_max(float (&mx)[MT][2], int b, int h, MO
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr)
-            mx[mt][hr] = score_mod(mx[mt][hr] * mod_scale, b, h, 0, 0, 0.0f, 0.0f FA_SM_ARGS);
+            mx[mt][hr] = score_mod(mx[mt][hr] * MOD_SCORE_SCALE, b, h, 0, 0, 0.0f, 0.0f FA_SM_ARGS);
 }
 #endif
 
@@ -262,7 +270,7 @@ __device__ __forceinline__ void mod_scores(float (&s)[MT][NT][4], bool full, int
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int n = 0; n < NT; ++n)
-                mod_full_block(s[mt][n], mt, n, mod_scale, b, h, row_base, col0, g, tq FA_SM_ARGS);
+                mod_full_block(s[mt][n], mt, n, MOD_SCORE_SCALE, b, h, row_base, col0, g, tq FA_SM_ARGS);
         return;
     }
 #else

@@ -91,6 +91,23 @@ def row_shift(p, block_r: int) -> int:
     return -p.Nq % block_r
 
 
+# q_prescale: the modifier's scale c (|scale| pre) for which Q times c, rounded to the dtype, stays exact up to one
+# rounding: c <= 1 (no overflow past the input's own range); fp16 from 2^-10 (a q below 2^-14 / c = 1/16 becomes
+# subnormal, rounded to an absolute 2^-25 / c <= 3e-5 in q's units, where fp16's own relative rounding is 2^-11 q),
+# bf16 (fp32's exponent range) from 2^-32. The soft-cap at cap 50, d = 128: c = 2^-9.1.
+PRESCALE_RANGE = {"float16": (2.0 ** -10, 1.0), "bfloat16": (2.0 ** -32, 1.0)}
+
+
+def prescales(p, config, mods) -> bool:
+    """Whether fa3's forward multiplies Q by the score modifier's scale in shared memory (q_prescale, kernels_cu/fa3_ws.cu
+    prescale_q): a module that compiles a score modifier's text, a factor within PRESCALE_RANGE[dtype]."""
+    if not getattr(config, "q_prescale", False) or mods is None or "-DFA_SCORE_MOD=1" not in mods.options:
+        return False
+    lo, hi = PRESCALE_RANGE.get(p.dtype, (1.0, 0.0))
+    c = f32(abs(p.scale) * p.score_mod.forward_scales()[0])       # modifier_args' mod_scale, as the kernel gets it
+    return lo <= float(c) <= hi
+
+
 @functools.lru_cache(maxsize=256)
 def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False,
              long_bias: bool = False) -> "WsConfig":
@@ -130,6 +147,8 @@ class WsConfig:
     softmax_turns: object = "auto"                       # FA_SOFTMAX_TURNS: the consumers take turns at the softmax;
                                                          # False, True or "auto" (for_head_dim)
     mufu_pipe: bool = False                              # FA_MUFU_PIPE: a score-modified full tile's softmax pipelined
+    q_prescale: bool = True                              # FA_Q_PRESCALE: Q times the modifier's scale in shared memory
+                                                         # (where prescales() allows), no FMUL per score
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
                      long_bias: bool = False) -> "WsConfig":
@@ -192,9 +211,9 @@ class WsConfig:
         return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 8
                 + 1024)
 
-    def unit(self, dtype: str, D: int, mods=None) -> CompileUnit:
+    def unit(self, dtype: str, D: int, mods=None, prescale: bool = False) -> CompileUnit:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
-        the one switch it names."""
+        the one switch it names. `prescale`: FA_Q_PRESCALE (prescales(), with a score modifier's text only)."""
         drops = (False, True) if mods is None else (mods.dropout,)
         names = tuple(self.forward_name(dtype, D, drop, mods is not None) for drop in drops)
         emu = (f"-DFA_EXP2_EMU={self.exp2_fma}",) if self.exp2_fma else ()
@@ -204,11 +223,16 @@ class WsConfig:
         emu += ("-DFA_SOFTMAX_TURNS",) if turns else ()
         pipe = self.mufu_pipe and text                                       # changes nothing else
         emu += (f"-DFA_MUFU_PIPE={MUFU_PIPE_GROUP}",) if pipe else ()
+        if prescale and not text:
+            raise ValueError("FA_Q_PRESCALE scales the scores a score modifier's text sees: a module without one "
+                             "has no such factor")
+        emu += ("-DFA_Q_PRESCALE",) if prescale else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{', trace' if self.trace else ''}"
                                  f"{', softmax_turns' if turns else ''}{', mufu_pipe' if pipe else ''}"
+                                 f"{', q_prescale' if prescale else ''}"
                                  f"{mods.label if mods else ''}]",
                            archs=ARCHS)
 
@@ -285,10 +309,10 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
                   exp2_fma=0, persistent="auto", trace=False, softmax_turns="auto",
-                  mufu_pipe=False):
+                  mufu_pipe=False, q_prescale=True):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace,
-                        softmax_turns, mufu_pipe)
+                        softmax_turns, mufu_pipe, q_prescale)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -354,7 +378,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         mods = ModKernel.of(p)     # None without modifiers: the module and arguments without them
         sched = stream_counters.zeroed(xp, 1) if config.persistent else _no_sched(xp)
         tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, out, lse, sched, xp, mods)
-        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
+        unit, name = config.unit(p.dtype, D, mods, prescales(p, config, mods)), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, grid, (config.threads,), unit.dynamic_smem[name],
                               (*args, *dropout_args(p), *mod_rest))
         kernel({}, xp.cuda.get_current_stream())
@@ -378,7 +402,7 @@ class FA3WarpSpecialized(FA3Wgmma):
         sched = Slot("sched") if config.persistent else _no_sched(xp)
         mods = ModKernel.of(p)     # None without modifiers
         tiles, args, D, dropout, mod_rest = self._arguments(p, config, maps, Slot("out"), Slot("lse"), sched, xp, mods)
-        unit, name = config.unit(p.dtype, D, mods), config.forward_name(p.dtype, D, dropout)
+        unit, name = config.unit(p.dtype, D, mods, prescales(p, config, mods)), config.forward_name(p.dtype, D, dropout)
         kernel = PackedLaunch(get_kernel(unit, name).kernel, self.grid(p, config),
                               (config.threads,), unit.dynamic_smem[name], (*args, *_dropout_slots(p), *mod_rest))
 
@@ -416,6 +440,11 @@ PARAMS = (
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
+    Param("q_prescale", (True, False), True, "with a score modifier compiled as text (the soft-cap, a relative bias), "
+          "each consumer warpgroup multiplies its rows of the Q tile by the modifier's scale (|scale| / cap for the "
+          "soft-cap) in shared memory once per Q tile, so that no score needs the FMUL before the modifier "
+          "(kernels_cu/fa3_ws.cu prescale_q); one more rounding of q in the input dtype; only where that factor "
+          "lies in PRESCALE_RANGE for the dtype (no overflow, no fp16 subnormals of consequence), else as False"),
 )
 
 register(Variant(
