@@ -99,6 +99,13 @@
 // MUFU ops instead of after them; predicted a few percent off the soft-cap's forward. Measured (H100, N = 4k causal,
 // two alternating runs, outputs bit-identical): 10% SLOWER at d = 64 (1.07 against 0.96-0.97 ms) and at d = 128
 // (0.681 against 0.615-0.620 ms).
+// Tried and reverted (session 21): the soft-cap's tanh on the FMA pipe, x (c0 + c1 x^2 + c2 x^4) (2.3e-5 relative
+// error) in full tiles whose |s / cap| all stay within 0.5 (a warp vote), so that the only MUFU op per element would be
+// the softmax's EX2; predicted the soft-capped softmax from its ~1,000-clock MUFU bound to ~700 clocks. Measured (H100,
+// N = 4k / 8k causal, ABAB): +38% / +43% over plain causal at d = 64 against MUFU.TANH's +37% / +47%, and +23% / +25%
+// against +15% / +16% at d = 128; every 2nd, 3rd or 4th n8 block on the polynomial no better (+27% to +32% at d = 128);
+// the backward's small tiles (fa3_bwd2.cu FA_TANH_CORE) with the polynomial unchanged (2.417 against 2.426 ms, d = 64,
+// 4k). ncu: 25% more instructions executed for 8% more cycles at d = 128 (q_prescale above: why instructions).
 // Loop trace (FA_TRACE, variants/fa3_ws.py trace=True; bench/loop_trace.py reads it): the overlapped loop of the
 // grid's block 0 stores clock64() at eight points of every iteration (TRACE_EV below), lane 0 of each consumer
 // warpgroup's first warp, into fa_trace[warpgroup][iteration][event] (the first FA_TRACE_ITERS iterations; the reader
@@ -160,10 +167,13 @@ __device__ __forceinline__ int ld_shared_s32(unsigned addr) {
 // FA_Q_PRESCALE (variants/fa3_ws.py q_prescale, with a score modifier's text; tc_mods.cuh MOD_SCORE_SCALE): this
 // warpgroup's 64 rows of the Q tile (`rows`: its rows of panel 0; D / 64 panels of PANEL_Q bytes) times mod_scale in
 // place, each product rounded to T, once per item, so that the S GEMM gives mod_scale q.k and no element of any
-// tile needs the FMUL before the modifier: the modified softmax's instructions per element set the forward's time
-// (ncu, H100, session 21: +20% instructions, +19% cycles for the soft-cap at d = 128). The rows' bytes in any order
-// (the swizzle permutes within a row's 128 bytes): 16 bytes per thread and step. Costs one more rounding of q
-// (relative 2^-11 in fp16, 2^-8 in bf16; the oracle's naive reference rounds S itself to the dtype, as much).
+// tile needs the FMUL before the modifier. Why: ncu (H100, N = 4k causal, fp16, session 21) puts the soft-cap's
+// cost in its instructions: +20% executed at d = 128 (the FMUL and MUFU.TANH per element) for +19% cycles, +21% for
+// +37% at d = 64. The rows' bytes in any order (the swizzle permutes within a row's 128 bytes): 16 bytes per thread
+// and step. Costs one more rounding of q (relative 2^-11 in fp16, 2^-8 in bf16; the oracle's naive reference rounds
+// S itself to the dtype, as much). Measured (same call, ABAB): the soft-cap 6% faster at d = 64 (+29% / +39% over
+// plain causal at N = 4k / 8k, from +38% / +47%), unchanged at d = 128 (+15% / +16%); a relative bias +5% / -4% at
+// d = 64, unchanged at 128; lse's error against the float64 oracle 30-1000x larger: off by default.
 // The caller fences the generic stores from the wgmma's (async proxy) reads and syncs the warpgroup.
 template <typename T, int D, int PANEL_Q>
 __device__ __forceinline__ void prescale_q(unsigned rows, float f, int tid) {

@@ -364,16 +364,20 @@ def _switch_units(switch: str) -> dict:
         on, off = get_variant("fa3", mufu_pipe=True).config, get_variant("fa3").config
         return {D: tuple(c.unit("float16", D, ModKernel.of(_problem(sc, None, d=D))) for c in (on, off))
                 for D in (64, 128)}
+    if switch == "-DFA_Q_PRESCALE":
+        cfg = get_variant("fa3", q_prescale=True).config
+        return {D: tuple(cfg.unit("float16", D, ModKernel.of(_problem(sc, None, d=D)), pre) for pre in (True, False))
+                for D in (64, 128)}
     cfg = get_variant("fa3").config
     return {D: tuple(cfg.unit("float16", D, ModKernel.of(_problem(m, None, d=D)))
                      for m in (sc, dataclasses.replace(sc, monotone=False))) for D in (64, 128)}
 
 
-@pytest.mark.parametrize("switch", ["-DFA_MUFU_PIPE=2", "-DFA_SCORE_MONOTONE=1"])
+@pytest.mark.parametrize("switch", ["-DFA_MUFU_PIPE=2", "-DFA_SCORE_MONOTONE=1", "-DFA_Q_PRESCALE"])
 def test_softcap_switch_builds_without_spills(switch):
-    """The pipelined soft-cap forward (mufu_pipe) and the one with its row max first (ScoreMod.monotone), D = 64 and
-    128 (sm_90a, fp16): no spills, no stack, no wgmma serialized, and a cubin other than the one without the switch
-    (it reaches the kernel's code)."""
+    """The pipelined soft-cap forward (mufu_pipe), the one with its row max first (ScoreMod.monotone) and the one on
+    a prescaled Q (q_prescale), D = 64 and 128 (sm_90a, fp16): no spills, no stack, no wgmma serialized, and a cubin
+    other than the one without the switch (it reaches the kernel's code)."""
     units = _switch_units(switch)
     reports = compile_reports([u for pair in units.values() for u in pair], "sm_90")    # skips on a GPU machine
     for D, (u_on, u_off) in units.items():
@@ -408,6 +412,62 @@ def test_mufu_pipe_matches_oracle_and_the_unpipelined_softmax(dtype):
         b = sandbox_forward(q, k, v, mufu_pipe=False, **case.options)
         assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
         assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case
+
+
+# ---- q_prescale: Q times the modifier's scale in shared memory (kernels_cu/fa3_ws.cu prescale_q)
+
+def test_q_prescale_only_where_a_text_sees_a_factor_in_range():
+    """-DFA_Q_PRESCALE in fa3's forward module exactly with q_prescale=True, a score modifier compiled as text (the
+    soft-cap, a relative bias; not ALiBi's seeded form, sinks or a mask modifier alone) and a factor |scale| pre within
+    PRESCALE_RANGE for the dtype (fp16: a soft-cap of 5000 at d = 64 is 2^-15.3, below its 2^-10; bf16 takes it; a
+    scale above 1 is refused for both: q would grow). A module without a text refuses the switch."""
+    from ml_dtypes import bfloat16
+    from variants.fa3_ws import PRESCALE_RANGE, prescales
+    sm, mm = _score_mods(), _mask_mods()
+    on, off = _config("fa3", q_prescale=True), _config("fa3")
+    assert get_variant("fa3").config.q_prescale is False          # off by default (the lse's precision)
+    for dt, big_cap in ((np.float16, False), (bfloat16, True)):
+        q, k = np.zeros((B, HQ, NQ, 64), dt), np.zeros((B, HKV, NK, 64), dt)
+        for mod, scale, expect in ((sm["softcap"], None, True), (sm["relative_bias"], None, True),
+                                   (M.softcap(5000.0), None, big_cap), (sm["softcap"], 4.0, False),
+                                   (sm["alibi"], None, False), (sm["sinks"], None, False), (None, None, False)):
+            p = make_problem(q, k, k, causal=True, scale=scale, score_mod=mod,
+                             mask_mod=None if mod is not None else mm["document"])
+            mk = ModKernel.of(p)
+            assert prescales(p, on, mk) is expect, (dt, mod, scale)
+            assert prescales(p, off, mk) is False
+            u = on.unit(p.dtype, 64, mk, prescales(p, on, mk))
+            assert ("-DFA_Q_PRESCALE" in u.options) is expect and ("q_prescale" in u.label) is expect
+            if not expect and (mk is None or "-DFA_SCORE_MOD=1" not in mk.options):
+                with pytest.raises(ValueError, match="FA_Q_PRESCALE"):
+                    on.unit(p.dtype, 64, mk, True)
+    assert PRESCALE_RANGE["float16"][1] == PRESCALE_RANGE["bfloat16"][1] == 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_q_prescale_matches_oracle_and_the_unscaled_forward(dtype):
+    """q_prescale=True against the oracle (forward; its backward is the same module pair's) and against q_prescale=False
+    up to one more rounding of q: the soft-cap at caps small and large (large logits: both MUFU paths), a relative
+    bias with a document mask, GQA, a negative scale, dropout, sinks, d = 64, 96 and 128, ragged lengths."""
+    rel = M.relative_bias(np.random.default_rng(4).standard_normal((4, 9)), 4)
+    docs = M.document(np.repeat([0, 1], 200)[None])
+    cases = [fuzz.Case(1, 4, 2, 512, 512, 64, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 1),
+             fuzz.Case(1, 2, 2, 400, 400, 128, dtype, {"causal": True, "score_mod": M.softcap(50.0)}, 2, logit_scale=6.0),
+             fuzz.Case(2, 2, 1, 384, 300, 64, dtype, {"score_mod": M.softcap(2.0), "scale": -0.3}, 3, logit_scale=3.0),
+             fuzz.Case(1, 4, 4, 400, 400, 128, dtype, {"causal": True, "score_mod": rel, "mask_mod": docs}, 4),
+             fuzz.Case(1, 2, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": M.softcap(20.0), "dropout_p": 0.2,
+                                                       "seed": 5}, 5),
+             fuzz.Case(1, 4, 4, 333, 517, 96, dtype, {"causal": True,
+                                                       "score_mod": M.softcap(5.0).with_sinks([0.3, -1.0, 0.0, 2.0])}, 6)]
+    for case in cases:
+        fuzz.assert_case(get_variant("fa3", q_prescale=True), case, "backward")
+        q, k, v = case.inputs()[:3]
+        a = sandbox_forward(q, k, v, q_prescale=True, **case.options)
+        b = sandbox_forward(q, k, v, **case.options)
+        assert not np.array_equal(np.asarray(a.lse), np.asarray(b.lse)), case      # the switch reached the kernel
+        np.testing.assert_allclose(np.asarray(a.out, np.float32), np.asarray(b.out, np.float32), rtol=2 ** -5,
+                                   atol=2 ** -8 if dtype == "bfloat16" else 2 ** -10, err_msg=str(case))
 
 
 # ---- a monotone modifier's row max taken first (ScoreMod.monotone, kernels_cu/tc_mods.cuh mod_row_max)
