@@ -99,9 +99,11 @@
 // MUFU ops instead of after them; predicted a few percent off the soft-cap's forward. Measured (H100, N = 4k causal,
 // two alternating runs, outputs bit-identical): 10% SLOWER at d = 64 (1.07 against 0.96-0.97 ms) and at d = 128
 // (0.681 against 0.615-0.620 ms).
-// Tried and reverted (session 21): the soft-cap's tanh on the FMA pipe, x (c0 + c1 x^2 + c2 x^4) (2.3e-5 relative
-// error) in full tiles whose |s / cap| all stay within 0.5 (a warp vote), so that the only MUFU op per element would be
-// the softmax's EX2; predicted the soft-capped softmax from its ~1,000-clock MUFU bound to ~700 clocks. Measured (H100,
+// Tried and reverted, twice (sessions 19 and 21; session 19's attempt was recorded in its results file only, so session
+// 21 repeated it): the soft-cap's tanh on the FMA pipe, x Q(x^2) in full tiles whose |s / cap| all stay within a limit
+// (a warp vote), so that the only MUFU op per element would be the softmax's EX2. Session 19: Q of degree 3, |x| <= 1,
+// +25% over plain causal at d = 128 against +15%, +49% against +35% at d = 64. Session 21: Q of degree 2 (2.3e-5
+// relative error), |x| <= 0.5; predicted the soft-capped softmax from its ~1,000-clock MUFU bound to ~700 clocks. Measured (H100,
 // N = 4k / 8k causal, ABAB): +38% / +43% over plain causal at d = 64 against MUFU.TANH's +37% / +47%, and +23% / +25%
 // against +15% / +16% at d = 128; every 2nd, 3rd or 4th n8 block on the polynomial no better (+27% to +32% at d = 128);
 // the backward's small tiles (fa3_bwd2.cu FA_TANH_CORE) with the polynomial unchanged (2.417 against 2.426 ms, d = 64,
