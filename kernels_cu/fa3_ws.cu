@@ -60,6 +60,9 @@
 //       (-6%), 0.908-0.927 against 0.966-0.968 at d = 64 (-5%), outputs and lse bit for bit equal; the loop trace
 //       (d = 128) still shows a period 14% above plain causal's (3,894 against 3,406 clocks). exp2_fma = 2-4 on top
 //       of it: 4-18% slower.
+//       FA_Q_PRESCALE (variants/fa3_ws.py q_prescale, off by default; with a score modifier's text): each consumer
+//       warpgroup multiplies its rows of the Q tile by mod_scale in shared memory once per item (prescale_q, below),
+//       so that no score needs the FMUL before the modifier; 6% off the soft-cap at d = 64, lse less precise.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
@@ -103,11 +106,11 @@
 // 21 repeated it): the soft-cap's tanh on the FMA pipe, x Q(x^2) in full tiles whose |s / cap| all stay within a limit
 // (a warp vote), so that the only MUFU op per element would be the softmax's EX2. Session 19: Q of degree 3, |x| <= 1,
 // +25% over plain causal at d = 128 against +15%, +49% against +35% at d = 64. Session 21: Q of degree 2 (2.3e-5
-// relative error), |x| <= 0.5; predicted the soft-capped softmax from its ~1,000-clock MUFU bound to ~700 clocks. Measured (H100,
+// relative error), |x| <= 0.5; predicted the soft-capped softmax's MUFU bound from ~1,000 clocks a tile to ~500. Measured (H100,
 // N = 4k / 8k causal, ABAB): +38% / +43% over plain causal at d = 64 against MUFU.TANH's +37% / +47%, and +23% / +25%
 // against +15% / +16% at d = 128; every 2nd, 3rd or 4th n8 block on the polynomial no better (+27% to +32% at d = 128);
 // the backward's small tiles (fa3_bwd2.cu FA_TANH_CORE) with the polynomial unchanged (2.417 against 2.426 ms, d = 64,
-// 4k). ncu: 25% more instructions executed for 8% more cycles at d = 128 (q_prescale above: why instructions).
+// 4k). ncu: 25% more instructions executed for 8% more cycles at d = 128 (prescale_q below: why instructions).
 // Loop trace (FA_TRACE, variants/fa3_ws.py trace=True; bench/loop_trace.py reads it): the overlapped loop of the
 // grid's block 0 stores clock64() at eight points of every iteration (TRACE_EV below), lane 0 of each consumer
 // warpgroup's first warp, into fa_trace[warpgroup][iteration][event] (the first FA_TRACE_ITERS iterations; the reader
@@ -175,7 +178,9 @@ __device__ __forceinline__ int ld_shared_s32(unsigned addr) {
 // and step. Costs one more rounding of q (relative 2^-11 in fp16, 2^-8 in bf16; the oracle's naive reference rounds
 // S itself to the dtype, as much). Measured (same call, ABAB): the soft-cap 6% faster at d = 64 (+29% / +39% over
 // plain causal at N = 4k / 8k, from +38% / +47%), unchanged at d = 128 (+15% / +16%); a relative bias +5% / -4% at
-// d = 64, unchanged at 128; lse's error against the float64 oracle 30-1000x larger: off by default.
+// d = 64, unchanged at 128; lse's error against the float64 oracle 25-550x larger in fp16, 200-6,100x in bf16: off by
+// default. With FA_MUFU_PIPE, pipe_full's factor stays tied to a runtime zero (1.0f | 0 is not a literal): the FMUL
+// stays there.
 // The caller fences the generic stores from the wgmma's (async proxy) reads and syncs the warpgroup.
 template <typename T, int D, int PANEL_Q>
 __device__ __forceinline__ void prescale_q(unsigned rows, float f, int tid) {

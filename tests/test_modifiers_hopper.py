@@ -471,6 +471,32 @@ def test_q_prescale_matches_oracle_and_the_unscaled_forward(dtype):
         assert not np.array_equal(np.asarray(a.lse), np.asarray(b.lse)), case      # the switch reached the kernel
 
 
+@pytest.mark.gpu
+def test_q_prescale_reaches_every_path():
+    """q_prescale=True where the oracle test above does not go: a persistent grid with more items than SMs (each
+    block reuses its two Q buffers: the producer's TMA after the consumers' generic stores), fa3-ws (no overlap),
+    bf16 at d = 64 with three consumer warpgroups (barrier id 5), and PyTorch's plan path (fastpath), whose result
+    must equal the generic path's bit for bit."""
+    sc = M.softcap(30.0)
+    many = fuzz.Case(2, 16, 8, 1280, 1280, 128, "float16", {"causal": True, "score_mod": sc}, 8)   # 320 items
+    cfg = get_variant("fa3", q_prescale=True)
+    assert cfg.variant.impl._resolved(make_problem(*many.inputs()[:3], **many.options), cfg.config).persistent
+    fuzz.assert_case(cfg, many, "forward")
+    fuzz.assert_case(get_variant("fa3-ws", q_prescale=True),
+                     fuzz.Case(1, 4, 2, 400, 400, 128, "float16", {"causal": True, "score_mod": sc}, 9), "backward")
+    fuzz.assert_case(get_variant("fa3", q_prescale=True, consumers=3),
+                     fuzz.Case(1, 2, 2, 500, 500, 64, "bfloat16", {"causal": True, "score_mod": sc}, 10), "forward")
+    torch = pytest.importorskip("torch")
+    case = fuzz.Case(1, 4, 4, 512, 512, 64, "float16", {"causal": True, "score_mod": sc}, 11)
+    q, k, v = case.inputs()[:3]
+    a = sandbox_forward(q, k, v, q_prescale=True, **case.options)
+    t = sandbox_forward(*(torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, k, v)), q_prescale=True,
+                        **case.options)
+    assert t.plan is not None                      # the plan path ran
+    assert np.array_equal(t.out.cpu().numpy(), np.asarray(a.out)) and np.array_equal(t.lse.cpu().numpy(),
+                                                                                      np.asarray(a.lse))
+
+
 # ---- a monotone modifier's row max taken first (ScoreMod.monotone, kernels_cu/tc_mods.cuh mod_row_max)
 
 def test_monotone_claim_is_checked_when_made():
