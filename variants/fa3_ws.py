@@ -101,9 +101,9 @@ PRESCALE_RANGE = {"float16": (2.0 ** -10, 1.0), "bfloat16": (2.0 ** -32, 1.0)}
 def prescales(p, config, mods) -> bool:
     """Whether fa3's forward multiplies Q by the score modifier's scale in shared memory (q_prescale, kernels_cu/fa3_ws.cu
     prescale_q): a module that compiles a score modifier's text, a factor within PRESCALE_RANGE[dtype]."""
-    if not getattr(config, "q_prescale", False) or mods is None or "-DFA_SCORE_MOD=1" not in mods.options:
+    if not config.q_prescale or mods is None or "-DFA_SCORE_MOD=1" not in mods.options or p.dtype not in PRESCALE_RANGE:
         return False
-    lo, hi = PRESCALE_RANGE.get(p.dtype, (1.0, 0.0))
+    lo, hi = PRESCALE_RANGE[p.dtype]
     c = f32(abs(p.scale) * p.score_mod.forward_scales()[0])       # modifier_args' mod_scale, as the kernel gets it
     return lo <= float(c) <= hi
 
