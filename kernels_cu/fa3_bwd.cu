@@ -160,12 +160,11 @@ fa3_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_sm,
         // dQ (64 queries x D) += dS[:, my keys] K[my keys, :]: A = dS^T rows of this warpgroup read
         // MN-major (queries contiguous), B = K rows MN-major (d contiguous); k16 steps 16 keys apart
         float dq[1][ND][4];
+        const unsigned long long dq_a = wgmma_desc(sdS + wg * 64 * 128, 1024, 1024);
+        const unsigned long long dq_b = wgmma_desc(sK + wg * 64 * 128, BC * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            const unsigned long long da = wgmma_desc(sdS + wg * 64 * 128 + kk * 2048, 1024, 1024);
-            const unsigned long long db = wgmma_desc(sK + wg * 64 * 128 + kk * 2048, BC * 128, 1024);
-            Wgmma<T, D, true>::ss_ta(dq[0], da, db, kk > 0);
-        }
+        for (int kk = 0; kk < 4; ++kk)
+            Wgmma<T, D, true>::ss_ta(dq[0], wgmma_desc_at(dq_a, kk * 2048), wgmma_desc_at(dq_b, kk * 2048), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();                              // dV, dK and dQ of this tile done
         fence_accumulators(dq[0]);

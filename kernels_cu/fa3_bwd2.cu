@@ -571,20 +571,20 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         constexpr int KEYS = SPLIT_KEYS ? BC / 2 : BC;
         const int k0 = SPLIT_KEYS ? wg * 64 : 0, kp = D == 128 ? wg : 0, qp = BR == 128 ? wg : 0;
         float dq[8][4];
+        const unsigned long long dq_a = wgmma_desc(sdS + qp * (BC * 128) + k0 * 128, 1024, 1024);
+        const unsigned long long dq_b = wgmma_desc(sK + kp * BC * 128 + k0 * 128, BC * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < KEYS / 16; ++kk) {
-            const unsigned long long da = wgmma_desc(sdS + qp * (BC * 128) + (k0 + kk * 16) * 128, 1024, 1024);
-            const unsigned long long db = wgmma_desc(sK + kp * BC * 128 + (k0 + kk * 16) * 128, BC * 128, 1024);
-            Wgmma<T, 64, true>::ss_ta(dq, da, db, kk > 0);
-        }
+        for (int kk = 0; kk < KEYS / 16; ++kk)
+            Wgmma<T, 64, true>::ss_ta(dq, wgmma_desc_at(dq_a, kk * 2048), wgmma_desc_at(dq_b, kk * 2048), kk > 0);
         wgmma_commit();
         // dK += dS^T Q (scaled at the end) with A = this warpgroup's 64 dS^T rows from the panel (K-major, as Q
         // in S = Q K^T), not from the pd registers: dK runs on into the next tile, and an A operand in registers
         // across the loop's back edge makes ptxas wait for it and copy the next S^T accumulators (NVRTC 13)
+        const unsigned long long dk_a = wgmma_desc(sdS + wg * 64 * 128, 16, 1024), dk_b = wgmma_desc(q_tile, BR * 128, 1024);
 #pragma unroll
         for (int kk = 0; kk < BR / 16; ++kk)
-            Wgmma<T, D, true>::ss(dk[0], wgmma_desc(sdS + (kk / 4) * (BC * 128) + wg * 64 * 128 + (kk % 4) * 32, 16, 1024),
-                                  wgmma_desc(q_tile + kk * 2048, BR * 128, 1024), 1);
+            Wgmma<T, D, true>::ss(dk[0], wgmma_desc_at(dk_a, (kk / 4) * (BC * 128) + (kk % 4) * 32),
+                                  wgmma_desc_at(dk_b, kk * 2048), 1);
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
         wgmma_wait<1>();                              // dV and dQ done; dK runs on into the next tile

@@ -30,6 +30,15 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_byte_addr
            ((unsigned long long)((sbo_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// wgmma_desc(a + off, lbo, sbo) from wgmma_desc(a, lbo, sbo), for a 16-byte multiple off: the address field is
+// (a & 0x3FFFF) >> 4 in the low 14 bits, and a shared-memory address stays below 2^18 (228 KB on sm_90), so adding
+// off >> 4 to the low word never carries out of the field: one add per wgmma instead of the mask, shift and merge
+// of wgmma_desc on the uniform datapath (a dependent chain in front of every wgmma of a GEMM: Nsight Compute's
+// stall sampling put ~9% of fa3's forward warp time there at d = 64; bench/results/h100/2026-11-27-session-22.md).
+__device__ __forceinline__ unsigned long long wgmma_desc_at(unsigned long long desc, unsigned off_bytes) {
+    return desc + (off_bytes >> 4);
+}
+
 // Before a warpgroup's first wgmma of a batch: its accumulator and A registers were written by
 // ordinary instructions (the softmax rescale, P) and must be visible to the async tensor cores.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -102,12 +111,12 @@ __device__ __forceinline__ void load_panels_async(unsigned dst, const T* __restr
 // SEEDED added to (tc_mods.cuh seed_scores: a distance bias where the accumulator starts).
 template <typename T, int D, int BC, int QROWS, bool SEEDED = false>
 __device__ __forceinline__ void wg_gemm_qk(float (&s)[BC / 8][4], unsigned q_rows, unsigned k_tile) {
+    const unsigned long long da0 = wgmma_desc(q_rows, 16, 1024), db0 = wgmma_desc(k_tile, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const unsigned off = (kk % 4) * 32;                 // bytes into the 128-byte row
-        const unsigned long long da = wgmma_desc(q_rows + (kk / 4) * QROWS * 128 + off, 16, 1024);
-        const unsigned long long db = wgmma_desc(k_tile + (kk / 4) * BC * 128 + off, 16, 1024);
-        Wgmma<T, BC, false>::ss(s, da, db, SEEDED || kk > 0);
+        Wgmma<T, BC, false>::ss(s, wgmma_desc_at(da0, (kk / 4) * QROWS * 128 + off),
+                                wgmma_desc_at(db0, (kk / 4) * BC * 128 + off), SEEDED || kk > 0);
     }
 }
 
@@ -115,9 +124,10 @@ __device__ __forceinline__ void wg_gemm_qk(float (&s)[BC / 8][4], unsigned q_row
 // BC x D V tile, MN-major (the transpose bit): a k16 step is 16 rows, 2048 bytes; panels BC * 128 apart.
 template <typename T, int D, int BC>
 __device__ __forceinline__ void wg_gemm_pv(float (&o)[D / 8][4], const unsigned (&pa)[BC / 16][4], unsigned v_tile) {
+    const unsigned long long db0 = wgmma_desc(v_tile, BC * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < BC / 16; ++kk)
-        Wgmma<T, D, true>::rs(o, pa[kk], wgmma_desc(v_tile + kk * 2048, BC * 128, 1024), 1);
+        Wgmma<T, D, true>::rs(o, pa[kk], wgmma_desc_at(db0, kk * 2048), 1);
 }
 
 // ---- a consumer warpgroup's softmax state
