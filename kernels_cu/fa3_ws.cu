@@ -118,11 +118,11 @@
 // N = 4k causal, bench/results/h100/2026-11-26-session-15.md): issuing a warpgroup's 16 wgmmas takes about as long as
 // they run (the warp resumes only when its last ones start), so its softmax starts when its own P V is almost done,
 // and without ping-pong the two warpgroups issue together and run their softmax together. At d = 64 (session 22,
-// bench/results/h100/2026-11-27-session-22.md): a soft-capped iteration takes ~3,090 clocks, ~1,970 in the softmax and
-// ~1,100 outside it; one warp drives the MUFU at 68% of its peak, two at 95% (a microbenchmark of the same body), so
+// bench/results/h100/2026-11-27-session-22.md): a soft-capped iteration takes ~3,090 clocks, 1,950-1,990 in the softmax
+// and 1,090-1,140 outside it; one warp drives the MUFU at 68% of its peak, two at 95% (a microbenchmark of the same body), so
 // with the warpgroups' outside phases end to end the iteration still takes >= 2,815 clocks, +24% over plain causal's
-// 2,270 per 128 rows. Orderings (ping-pong, turns) and more consumers were measured slower again; the README's table
-// of what was tried against the soft-cap has the rest.
+// 2,270 per 128 rows. Ping-pong and turns were measured slower again; three consumers without the overlap (fa3-ws,
+// persistent) 3-5% faster from N = 8k only. The README's table of what was tried against the soft-cap has the rest.
 // Envelope: D in {64, 128, 192, 256}, BC in {64, 80, 112, 128}, NC in {1, 2, 3}, STAGES in {2, 3}; shared
 // memory and (D > 128) registers checked on the host (variants/fa3_ws.py). D = 256 runs FA3's tile: Br = 128
 // (NC = 2, 240 registers per consumer thread, O alone 128), Bc = 80, STAGES = 2: 64 KB of Q and 160 KB of

@@ -31,8 +31,9 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_byte_addr
 }
 
 // wgmma_desc(a + off, lbo, sbo) from wgmma_desc(a, lbo, sbo), for a 16-byte multiple off: the address field is
-// (a & 0x3FFFF) >> 4 in the low 14 bits, and a shared-memory address stays below 2^18 (228 KB on sm_90), so adding
-// off >> 4 to the low word never carries out of the field: one add per wgmma instead of the mask, shift and merge
+// (a & 0x3FFFF) >> 4 in the low 14 bits, and a shared-memory address stays below 2^18 (at most 227 KB a block plus
+// the 1 KB the system reserves on sm_90), so adding off >> 4 to the low word never carries out of the field (off must
+// be a multiple of 16: its low 4 bits are dropped): one add per wgmma instead of the mask, shift and merge
 // of wgmma_desc on the uniform datapath (a dependent chain in front of every wgmma of a GEMM: Nsight Compute's
 // stall sampling put ~9% of fa3's forward warp time there at d = 64; bench/results/h100/2026-11-27-session-22.md).
 __device__ __forceinline__ unsigned long long wgmma_desc_at(unsigned long long desc, unsigned off_bytes) {
