@@ -11,7 +11,8 @@ of each phase of an iteration:
   PV wait    until P_j V_j is done                    tail      the rescale, P's conversion, the loop's top
 
 and the period (top to top), and how much of one warpgroup's softmax runs while the other's does too (the
-overlap FA3's ping-pong is meant to remove). With softmax_turns the softmax phase includes the wait for the
+overlap FA3's ping-pong is meant to remove); per case, the share of the traced window with none, one, or two or more
+warpgroups in their softmax. With softmax_turns the softmax phase includes the wait for the
 warpgroup's turn, so its overlap with the other's counts that wait, not two softmaxes at once. The clock is the SM's; the stores add a few instructions per event.
 Writes DIR/loop_trace.md, .json and .png (matplotlib) and prints the table. Cases: bench.modifiers_bench's
 (causal, softcap, alibi, document, ...); N = --seqlen, B N = 16k tokens, hidden 2048, fp16.
@@ -61,6 +62,30 @@ def softmax_overlap(t: np.ndarray, a: int, b: int) -> float:
     return float(both / total) if total else float("nan")
 
 
+def softmax_concurrency(t: np.ndarray) -> dict:
+    """How many of the block's warpgroups are in their softmax (event 5 -> 6) at once: the fractions of the window
+    that every warpgroup's trace covers (the latest first top to the earliest last iteration's end) with none, one,
+    and two or more of them there. With one block an SM, "none" is time in which these warpgroups give the MUFU no
+    softmax work; whether the softmaxes run together or take turns is what the session-22 bound on the soft-cap
+    turns on (README, "What the modifiers cost now")."""
+    wgs = warpgroups(t)
+    rows = [complete_rows(t, c) for c in wgs]
+    lo, hi = max(x[0, 0] for x in rows), min(x[-1, 7] for x in rows)
+    if hi <= lo:
+        return {"none": float("nan"), "one": float("nan"), "two or more": float("nan")}
+    edges = [(a, +1) for x in rows for a in x[:, 5]] + [(b, -1) for x in rows for b in x[:, 6]]
+    edges.sort()
+    spent = {0: 0, 1: 0, 2: 0}
+    depth, at = 0, lo
+    for x, step in edges:
+        x = min(max(x, lo), hi)
+        spent[min(depth, 2)] += x - at
+        depth, at = depth + step, x
+    spent[min(depth, 2)] += hi - at
+    total = hi - lo
+    return {"none": spent[0] / total, "one": spent[1] / total, "two or more": spent[2] / total}
+
+
 def summarize(t: np.ndarray) -> list[dict]:
     """One row per warpgroup: phase medians, and the softmax overlap with the next warpgroup (cyclically)."""
     wgs = warpgroups(t)
@@ -81,6 +106,14 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {r['d']} | {r['N']} | {r['case']} | {r['config'] or 'default'} | {w['warpgroup']} | "
                          f"{w['iterations']} | "
                          + " | ".join(f"{w[c]:.0f}" for c in cols) + f" | {w['softmax overlap']:.2f} |")
+    if any("softmax concurrency" in r for r in results):
+        lines += ["", "Share of the traced window with none, one, or two or more of the block's warpgroups in their "
+                  "softmax:", "", "| d | N | case | config | none | one | two or more |", "|---|---|---|---|---|---|---|"]
+        for r in results:
+            if "softmax concurrency" in r:
+                k = r["softmax concurrency"]
+                lines.append(f"| {r['d']} | {r['N']} | {r['case']} | {r['config'] or 'default'} | {k['none']:.2f} | "
+                             f"{k['one']:.2f} | {k['two or more']:.2f} |")
     return "\n".join(lines)
 
 
@@ -181,7 +214,8 @@ def main(argv=None) -> int:
             for config, params in sets:
                 t = run(variant, d, args.seqlen, case, params)
                 rows = summarize(t)
-                results.append({"d": d, "N": args.seqlen, "case": case, "config": config, "warpgroups": rows})
+                results.append({"d": d, "N": args.seqlen, "case": case, "config": config, "warpgroups": rows,
+                                "softmax concurrency": softmax_concurrency(t)})
                 traces.append(t)
                 print(f"d={d} {case} {config or 'default'}: period "
                       + ", ".join(f"wg{w['warpgroup']} {w['period']:.0f}" for w in rows) + " clk", flush=True)

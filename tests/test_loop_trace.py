@@ -45,6 +45,26 @@ def test_softmax_overlap_is_the_shared_fraction():
     assert loop_trace.softmax_overlap(apart, 0, 1) == pytest.approx(3 * 165 / 4000)
 
 
+def test_softmax_concurrency_counts_the_warpgroups_in_their_softmax():
+    # 1870-clock periods, softmax from 850 to 1850 of each: five iterations span 9,350 clocks, 5,000 of them softmax
+    phases = (100, 0, 400, 300, 50, 1000, 20)
+    k = loop_trace.softmax_concurrency(_trace([0], phases, tail=0, iterations=5))
+    assert k["one"] == pytest.approx(5000 / 9350) and k["two or more"] == 0.0
+    assert k["none"] == pytest.approx(4350 / 9350)
+    same = loop_trace.softmax_concurrency(_trace([0, 0], phases, tail=0, iterations=5))
+    assert same["two or more"] == pytest.approx(5000 / 9350) and same["one"] == 0.0
+    # wg 1 500 clocks later: the window runs from wg 1's first top (+500) to wg 0's last end (9,350), 8,850 clocks;
+    # each softmax pair shares 500 clocks (5 x 500 both); alone: wg 0's first 500 of each (5 x 500) and wg 1's last
+    # 500 of each but the fifth, which the window cuts to 20 (4 x 500 + 20)
+    half = loop_trace.softmax_concurrency(_trace([0, 500], phases, tail=0, iterations=5))
+    assert half["two or more"] == pytest.approx(2500 / 8850)
+    assert half["one"] == pytest.approx(4520 / 8850)
+    assert sum(half.values()) == pytest.approx(1.0)
+    # traces that never overlap in time leave no window
+    apart = _trace([0, 20000], phases, tail=0, iterations=2)
+    assert np.isnan(loop_trace.softmax_concurrency(apart)["none"])
+
+
 def test_incomplete_rows_are_left_out():
     t = _trace([0, 0], (1, 1, 1, 1, 1, 1, 1), tail=3, iterations=5)
     t[1, 4, 6:] = 0                                           # wg 1's last iteration stopped before its end
