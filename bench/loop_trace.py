@@ -68,9 +68,8 @@ def softmax_concurrency(t: np.ndarray) -> dict:
     and two or more of them there. With one block an SM, "none" is time in which these warpgroups give the MUFU no
     softmax work; whether the softmaxes run together or take turns is what the session-22 bound on the soft-cap
     turns on (README, "What the modifiers cost now")."""
-    wgs = warpgroups(t)
-    rows = [complete_rows(t, c) for c in wgs]
-    lo, hi = max(x[0, 0] for x in rows), min(x[-1, 7] for x in rows)
+    rows = [complete_rows(t, c) for c in warpgroups(t)]
+    lo, hi = (max(x[0, 0] for x in rows), min(x[-1, 7] for x in rows)) if rows else (0, 0)
     if hi <= lo:
         return {"none": float("nan"), "one": float("nan"), "two or more": float("nan")}
     edges = [(a, +1) for x in rows for a in x[:, 5]] + [(b, -1) for x in rows for b in x[:, 6]]

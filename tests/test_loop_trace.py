@@ -63,6 +63,7 @@ def test_softmax_concurrency_counts_the_warpgroups_in_their_softmax():
     # traces that never overlap in time leave no window
     apart = _trace([0, 20000], phases, tail=0, iterations=2)
     assert np.isnan(loop_trace.softmax_concurrency(apart)["none"])
+    assert np.isnan(loop_trace.softmax_concurrency(np.zeros_like(apart))["one"])     # nothing recorded
 
 
 def test_incomplete_rows_are_left_out():
