@@ -1,7 +1,7 @@
 """python -m bench.mufu_rate --out DIR: the MUFU rate (tanh, exp2 per SM clock) that the soft-capped softmax body
 sustains with 1-4 warps per SM sub-partition (kernels_cu/mufu_rate.cu, one block an SM).
 
-Why: fa3's soft-capped forward at d = 64 needs two MUFU ops per score, and its two consumer warps per sub-partition
+Why: the overlapped Hopper rung's soft-capped forward at d = 64 needs two MUFU ops per score, and its two consumer warps per sub-partition
 spend about a third of each iteration outside the softmax, so the rate one warp alone can sustain bounds the whole
 forward (README, "What the modifiers cost now"; bench/results/h100/2026-11-27-session-22.md: one warp ~68% of the
 peak, two ~95%, whatever the source order).
