@@ -1,9 +1,9 @@
 """python -m bench.mufu_rate --out DIR: the MUFU rate (tanh, exp2 per SM clock) that the soft-capped softmax body
 sustains with 1-4 warps per SM sub-partition (kernels_cu/mufu_rate.cu, one block an SM).
 
-Why: the overlapped Hopper rung's soft-capped forward at d = 64 needs two MUFU ops per score, and its two consumer warps per sub-partition
-spend about a third of each iteration outside the softmax, so the rate one warp alone can sustain bounds the whole
-forward (README, "What the modifiers cost now"; bench/results/h100/2026-11-27-session-22.md: one warp ~68% of the
+Why: the overlapped Hopper rung's soft-capped forward at d = 64 needs two MUFU ops per score, and its two consumer
+warps per sub-partition spend about a third of each iteration outside the softmax, so the rate one warp alone can
+sustain bounds the whole forward (README, "What the modifiers cost now"; bench/results/h100/2026-11-27-session-22.md: one warp ~68% of the
 peak, two ~95%, whatever the source order).
 
 Rows: the plain body (one exp2 a score), the soft-capped one (tanh, then exp2), and the two source orders of the
@@ -31,24 +31,17 @@ UNIT = CompileUnit("mufu_rate.cu", tuple(f"mufu_body<{m}>" for m in MODES), labe
 
 
 def rate(mode: int, warps: int, iters: int, sms: int, clock_hz: float) -> dict:
-    """One mode at `warps` warps per sub-partition (128 x warps threads a block, one block an SM): the median of 5
-    CUDA-event timings on the current stream."""
+    """One mode at `warps` warps per sub-partition (128 x warps threads a block, one block an SM): the median of
+    sandbox.timing.time_fn's CUDA-event timings (no L2 flush: the body touches no memory until its one store)."""
     import cupy as cp
     from sandbox import loader
+    from sandbox.timing import time_fn
     threads = 128 * warps
     out = cp.empty(sms * threads, cp.float32)
     args = (out, np.int32(iters), np.float32(0.02), np.float32(1.4426950))
     name = f"mufu_body<{mode}>"
-    loader.launch(UNIT, name, (sms,), (threads,), args)      # compile and warm up
-    times = []
-    for _ in range(5):
-        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
-        e0.record()
-        loader.launch(UNIT, name, (sms,), (threads,), args)
-        e1.record()
-        e1.synchronize()
-        times.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3)
-    seconds = float(np.median(times))
+    timing = time_fn(lambda: loader.launch(UNIT, name, (sms,), (threads,), args), reps=5, flush_l2=False)
+    seconds = timing.median_ms / 1e3
     ops = sms * threads * iters * SCORES * MUFU_OPS[mode]
     per_ns = ops / seconds / sms / 1e9
     return {"mode": MODES[mode], "warps": warps, "ms": seconds * 1e3, "per_ns_per_sm": per_ns,

@@ -28,8 +28,9 @@ def test_markdown_of_made_up_rows():
 
 @pytest.mark.parametrize("argv", [["--warps", "5"], ["--warps", "0"], ["--iters", "0"], ["--warps", "two"]])
 def test_bad_options_are_refused_before_the_gpu(argv):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         mufu_rate.main(argv)
+    assert e.value.code == 2           # argparse's usage error, not the missing-GPU exit (a message) of a CPU machine
 
 
 @pytest.mark.gpu
