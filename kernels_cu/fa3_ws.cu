@@ -444,7 +444,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
         auto scores_to_p = [&](float (&s)[1][NT][4], int t, float (&corr)[1][2]) {
             const int col0 = t * BC;
 #if defined(FA_MUFU_PIPE) && defined(FA_SCORE_MOD)
-            if (!DROPOUT && walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq) {
+            if (!DROPOUT && walk.cls[t] == TILE_FULL && col0 + BC <= Nk && row0 >= 0 && row0 + BR <= Nq) {
                 pipe_full(s, col0, corr);
                 return;
             }
@@ -452,9 +452,10 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             float mx[1][2];
 #ifdef FA_MODS
             // modifiers (tc_mods.cuh): the score modifier on every element, the mask's -inf after it; the
-            // row range checked in every tile that crosses Nq or Nk (buffers indexed by i or j)
+            // row range checked in every tile that crosses 0 (row_shift's first Q tile), Nq or Nk (buffers
+            // indexed by i or j), so that a modifier never sees a row outside [0, Nq)
             const int cls = walk.cls[t];
-            const bool full = cls == TILE_FULL && col0 + BC <= Nk && row0 + BR <= Nq;
+            const bool full = cls == TILE_FULL && col0 + BC <= Nk && row0 >= 0 && row0 + BR <= Nq;
 #ifdef FA_SCORE_MONOTONE
             // a monotone modifier (tc_mods.cuh mod_row_max): a full tile's row max on the raw scores, then the
             // modifier, so that no exponential waits for the last MUFU.TANH; the whole softmax in this branch, so

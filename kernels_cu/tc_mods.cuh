@@ -212,7 +212,7 @@ __device__ __forceinline__ void mod_partial(float (&s)[MT][NT][4], const Mask& m
             for (int e = 0; e < 4; ++e) {
                 const int di = mt * 16 + (e >= 2 ? 8 : 0), dj = n * 8 + (e & 1);
                 const int i = row_base + g + di, j = col0 + 2 * tq + dj;
-                const bool vis = i < Nq && j < Nk &&
+                const bool vis = (unsigned)i < (unsigned)Nq && j < Nk &&     // i < 0: fa3_ws.cu's row_shift
                                  (MODE == PART_BAND ? mask.visible(h, i, j)
                                   : MODE == PART_CAUSAL ? mask.visible(h, i, j) && j - i <= Nk - Nq
                                                         : mod_visible(mask, b, h, i, j, MOD_FN_ARGS));

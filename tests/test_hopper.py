@@ -121,15 +121,18 @@ def test_softmax_turns_at_d64_follow_the_modules_score_text():
 
 
 def test_softmax_turns_at_d64_stop_for_a_long_distance_bias():
-    """At D = 64 a distance bias seeded into S (ALiBi) takes turns below AUTO_TURNS_BIAS_NK keys and not from there
-    (measured slower at 8k-16k); a document mask keeps them at every length, and D = 128 is unchanged."""
+    """At D = 64 a distance bias seeded into S (ALiBi) with dropout (two consumers: three spill) takes turns below
+    AUTO_TURNS_BIAS_NK keys and not from there (measured slower at 8k-16k); without dropout it runs three consumers
+    and no turns; a document mask keeps them at every length, and D = 128 is unchanged."""
     from sandbox import modifiers as M
     from sandbox.problem import make_problem
     from variants.fa2_tc import ModKernel
     from variants.fa3_ws import AUTO_TURNS_BIAS_NK
     bound = sandbox.get_variant("fa3")
-    for d, nk, kw, turns in ((64, AUTO_TURNS_BIAS_NK // 2, dict(score_mod=M.alibi([0.5])), True),
-                             (64, AUTO_TURNS_BIAS_NK, dict(score_mod=M.alibi([0.5])), False),
+    drop = dict(dropout_p=0.1, seed=1)
+    for d, nk, kw, turns in ((64, AUTO_TURNS_BIAS_NK // 2, dict(score_mod=M.alibi([0.5]), **drop), True),
+                             (64, AUTO_TURNS_BIAS_NK, dict(score_mod=M.alibi([0.5]), **drop), False),
+                             (64, AUTO_TURNS_BIAS_NK // 2, dict(score_mod=M.alibi([0.5])), False),
                              (64, AUTO_TURNS_BIAS_NK, dict(mask_mod=M.document(np.arange(64) // 9, np.arange(AUTO_TURNS_BIAS_NK) // 999)),
                               True),
                              (128, AUTO_TURNS_BIAS_NK, dict(score_mod=M.alibi([0.5])), True)):
@@ -303,8 +306,8 @@ def test_bottom_aligned_tile_classes_are_exact(Nq, Nk, br, bc, causal, window):
 
 
 def test_row_shift_only_where_a_band_bounds_the_keys_from_above():
-    """variants/fa3_ws.row_shift: -Nq mod Br for causal or a right-bounded window, 0 non-causal, with a left bound
-    alone, a block-sparse layout or modifiers (whose lookups index rows >= 0)."""
+    """variants/fa3_ws.row_shift: -Nq mod Br for causal or a right-bounded window, also with score modifiers and sinks;
+    0 non-causal, with a left bound alone, a block-sparse layout or a mask modifier (top-aligned tile tables)."""
     from sandbox import modifiers
     from sandbox.masks import BlockSparse
     from sandbox.problem import Problem
@@ -314,8 +317,57 @@ def test_row_shift_only_where_a_band_bounds_the_keys_from_above():
     assert row_shift(P(window=(None, 5)), 192) == 76 and row_shift(P(causal=True), 100) == 0
     assert row_shift(P(), 192) == 0 and row_shift(P(window=(5, None)), 192) == 0
     assert row_shift(P(causal=True, block_mask=BlockSparse(np.ones((1, 2, 2), bool), (250, 250))), 192) == 0
-    assert row_shift(P(causal=True, score_mod=modifiers.softcap(5.0)), 192) == 0
+    assert row_shift(P(causal=True, score_mod=modifiers.softcap(5.0)), 192) == 76
+    assert row_shift(P(causal=True, score_mod=modifiers.alibi([-0.5, -0.25])), 128) == 12
+    assert row_shift(P(score_mod=modifiers.sinks([0.0, 1.0])), 192) == 0
     assert row_shift(P(causal=True, mask_mod=modifiers.document(np.arange(500) // 100)), 192) == 0
+    assert row_shift(P(causal=True, score_mod=modifiers.softcap(5.0),
+                       mask_mod=modifiers.document(np.arange(500) // 100)), 192) == 0
+
+
+def test_shifted_tile_table_with_score_modifiers_on_the_host():
+    """fa3_wgmma.forward_tiles with row_shift and a score modifier: the band's bottom-aligned table (what the kernel
+    walks) and the modifier's arguments with a tile table of batch extent 1; with a mask modifier it refuses."""
+    from sandbox import modifiers
+    from sandbox.masks import Band, classify_tiles
+    from sandbox.problem import Problem
+    from variants.fa3_wgmma import forward_tiles
+    cfg = sandbox.get_variant("fa3", consumers=3).config
+    p = Problem(1, 2, 2, 500, 700, 64, "float16", causal=True, score_mod=modifiers.alibi([-0.5, -0.25]))
+    tiles, heads, rest = forward_tiles(p, cfg, 64, object(), None, 76)
+    want = classify_tiles(500, 700, 192, 128, Band.from_options(500, 700, True, None), None, 76)
+    assert np.array_equal(tiles, want) and int(heads) == want.shape[0]
+    assert int(rest[0]) == 1                          # the tile table's batch extent
+    pm = Problem(1, 2, 2, 500, 700, 64, "float16", causal=True, mask_mod=modifiers.document(np.arange(500) // 100))
+    with pytest.raises(ValueError, match="row_shift"):
+        forward_tiles(pm, cfg, 64, object(), None, 76)
+
+
+def test_three_consumers_where_modifiers_stay_spill_free():
+    """fa3's consumers="auto" at d = 64 with modifiers: three (and the persistent grid for a distance bias) where
+    fa3_ws.three_consumers says the build stays spill-free (sinks, ALiBi without dropout), else two."""
+    from sandbox import modifiers
+    from sandbox.problem import Problem
+    from variants import fa3_ws as ws
+    bound = sandbox.get_variant("fa3")
+    P = lambda N, **kw: Problem(4, 32, 32, N, N, 64, "float16", causal=True, **kw)      # noqa: E731
+    alibi, sinks = modifiers.alibi(modifiers.alibi_slopes(32)), modifiers.sinks(np.zeros(32))
+    doc = modifiers.document(np.arange(4096) // 1024)
+    cases = [(P(4096, score_mod=alibi), True, 3, True), (P(16384, score_mod=alibi), True, 3, True),
+             (P(4096, score_mod=alibi, dropout_p=0.1, seed=1), False, 2, None),
+             (P(4096, score_mod=sinks), True, 3, True), (P(16384, score_mod=sinks), True, 3, False),
+             (P(4096, score_mod=sinks, dropout_p=0.1, seed=1), True, 3, True),
+             (P(4096, score_mod=modifiers.softcap(50.0)), False, 2, None), (P(4096, mask_mod=doc), False, 2, None),
+             (P(4096, score_mod=sinks, mask_mod=doc), False, 2, None)]
+    for p, three, consumers, persistent in cases:
+        assert ws.three_consumers(p) is three, p
+        cfg = bound.variant.impl._resolved(p, bound.config)
+        assert cfg.consumers == consumers, p
+        if persistent is not None:
+            assert cfg.persistent is persistent, p
+    assert bound.config.for_head_dim(64, mods=True, three=True).consumers == 3
+    assert bound.config.for_head_dim(128, mods=True, three=True).consumers == 2
+    assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64, mods=True, three=True).consumers == 2
 
 
 def test_persistent_grid_and_shared_memory():
@@ -549,6 +601,38 @@ def test_bottom_aligned_q_tiles_match_oracle(name, dtype):
         assert ws.row_shift(p, cfg.block_r) > 0, case
         fuzz.assert_case(bound, case, "forward")
     fuzz.assert_case(sandbox.get_variant(name), cases[0][0], "backward")
+
+
+def _row_bias(n: int):
+    """A user modifier reading a buffer indexed by the query row (s + qb[i]): rows < 0 of a shifted first Q tile
+    must never reach it."""
+    from sandbox import modifiers
+    buf = np.linspace(-1.0, 1.0, n)
+    return modifiers.ScoreMod("row_bias", lambda s, b, h, i, j, qb: s + qb[i], lambda s, b, h, i, j, qb: s + qb[i],
+                              "s + qb[i]", buffers={"qb": buf})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bottom_aligned_q_tiles_with_score_modifiers_match_oracle(dtype):
+    """Score modifiers and sinks on bottom-aligned Q tiles (row_shift > 0): ALiBi, the soft-cap with Nk > Nq (rows
+    above row 0 see keys), a relative bias, a row-indexed user buffer, sinks with dropout; three consumers on both
+    grids and the default config, forward against the oracle."""
+    import variants.fa3_ws as ws
+    from sandbox import fuzz, modifiers as M
+    cases = [fuzz.Case(1, 4, 2, 700, 700, 64, dtype, {"causal": True, "score_mod": M.alibi(M.alibi_slopes(4))}, 1),
+             fuzz.Case(2, 2, 2, 333, 517, 64, dtype, {"causal": True, "score_mod": M.softcap(5.0)}, 2, logit_scale=4.0),
+             fuzz.Case(1, 2, 2, 1000, 1000, 64, dtype,
+                       {"causal": True, "score_mod": M.relative_bias(np.linspace(-1, 1, 130).reshape(2, 65), 32)}, 3),
+             fuzz.Case(1, 2, 2, 450, 600, 64, dtype, {"causal": True, "score_mod": _row_bias(450)}, 4),
+             fuzz.Case(1, 4, 4, 400, 1000, 48, dtype,
+                       {"window": (100, 37), "dropout_p": 0.2, "seed": 3, "score_mod": M.sinks(np.linspace(-1, 1, 4))}, 5)]
+    for params in ({"consumers": 3, "persistent": True}, {"consumers": 3, "persistent": False}, {}):
+        bound = sandbox.get_variant("fa3", **params)
+        for case in cases:
+            p = sandbox.problem.make_problem(*case.inputs()[:3], **case.options)
+            assert ws.row_shift(p, bound.variant.impl._resolved(p, bound.config).block_r) > 0, case
+            fuzz.assert_case(bound, case, "forward")
 
 
 @pytest.mark.gpu

@@ -70,6 +70,16 @@ def short_walk(Nq: int, Nk: int, causal: bool, window) -> bool:
     return mean_visible_keys(Nq, Nk, band.lo, band.hi) <= SHORT_KEYS
 
 
+def three_consumers(p) -> bool:
+    """Whether p's modifiers leave fa3's D = 64 forward spill-free with three consumer warpgroups (160 registers a
+    thread; NVRTC 13, sm_90a, session 23): sinks (with or without dropout) and a distance bias seeded into S
+    (ALiBi) without dropout; not a score modifier's text (the soft-cap: 392-412 bytes of spill), a mask modifier,
+    or a distance bias with dropout (364-380 bytes)."""
+    if p.mask_mod is None and p.score_mod is not None and not score_text(p):
+        return not (seeds_bias(p) and p.dropout_p > 0)
+    return False
+
+
 def _fills_the_gpu(p) -> bool:
     """Whether problem p has more Q tiles (at D = 64's Br = 192) than the GPU has SMs (True without a GPU): below,
     a persistent grid has nothing to balance. (Until session 10 each call also zeroed its item counter: host
@@ -84,9 +94,10 @@ def row_shift(p, block_r: int) -> int:
     (Nq not a multiple of Br) is the first, not the last. Where the band bounds a row's keys from above
     (causal, a window's right side) the last tile sees the most keys, so a partial last tile idles warpgroups
     for the longest walk: at d = 64 (Br = 192), causal, bottom-aligned tiles do 5-6% less tile work at N = 2k-4k
-    and 1.5% at 8k-16k. 0 without such a bound, and with a block-sparse layout or modifiers (their lookups
-    index rows, which must be >= 0; their tile tables are top-aligned)."""
-    if p.band.hi >= UNBOUNDED or p.block_mask is not None or has_mods(p):
+    and 1.5% at 8k-16k. 0 without such a bound, and with a block-sparse layout or a mask modifier (their tile
+    tables are top-aligned). Score modifiers and sinks take it: the kernel runs the first Q tile, rows < 0
+    included, on its partial path, which keeps those rows from the modifier (a buffer indexed by i)."""
+    if p.band.hi >= UNBOUNDED or p.block_mask is not None or p.mask_mod is not None:
         return 0
     return -p.Nq % block_r
 
@@ -110,10 +121,11 @@ def prescales(p, config, mods) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False,
-             long_bias: bool = False) -> "WsConfig":
+             long_bias: bool = False, three: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
-    plain = not config.pingpong and not explicit_turns and not mods
+    three = three and mods                  # modifiers that leave three consumers spill-free (three_consumers)
+    plain = not config.pingpong and not explicit_turns and (not mods or three)
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
     turns = config.softmax_turns
     if turns == "auto":
@@ -122,8 +134,9 @@ def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_
                  and config.overlap and not config.pingpong)
     c = dataclasses.replace(config, consumers=consumers, persistent=config.persistent != "auto" and bool(config.persistent),
                             softmax_turns=bool(turns))
-    # modifiers: persistent with two consumer warpgroups only (three spill a soft-cap's build, more so persistent)
-    may_persist = not config.pingpong and (not mods or consumers == 2)
+    # modifiers: persistent with two consumer warpgroups, or three where they stay spill-free (a soft-cap's build
+    # spills with three, more so persistent)
+    may_persist = not config.pingpong and (not mods or consumers == 2 or three)
     if config.persistent == "auto" and may_persist and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
         on = dataclasses.replace(c, persistent=True)
         c = on if on.forward_smem(D) <= SMEM_LIMIT else c        # two Q buffers beside stages=3 do not fit
@@ -151,7 +164,7 @@ class WsConfig:
                                                          # (where prescales() allows), no FMUL per score
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
-                     long_bias: bool = False) -> "WsConfig":
+                     long_bias: bool = False, three: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
@@ -169,10 +182,15 @@ class WsConfig:
         5% slower and a relative bias 0-1% (session 18, call 3), and unless `long_bias`, a distance bias seeded into S
         (ALiBi) with Nk >= AUTO_TURNS_BIAS_NK: N = 2k-16k causal, turns made ALiBi 4-5% faster at 2k-4k but 8% slower
         at 8k and 12% at 16k; document masks and sinks 0-9% faster at every N (session 19, call 6; measured with
-        Nq = Nk, causal: the rule's use of Nk alone for other shapes is unmeasured)."""
+        Nq = Nk, causal: the rule's use of Nk alone for other shapes is unmeasured). `three` (with `mods`): modifiers
+        whose D = 64 build stays spill-free with three consumers (three_consumers: sinks, a distance bias without
+        dropout) take three, as plain attention does, and may take the persistent grid: with bottom-aligned Q tiles
+        (row_shift, session 23) ALiBi ran +3-9% over plain causal at N = 2k-16k with three consumers on the
+        persistent grid against +10-17% with two, and sinks +0-6% against +8-14% (H100, call 3 of
+        bench/results/h100/2026-11-27-session-23.md)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
-        return _resolve(self, D, mods, short, score_text, long_bias)
+        return _resolve(self, D, mods, short, score_text, long_bias, three)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -333,7 +351,11 @@ class FA3WarpSpecialized(FA3Wgmma):
         short = (D == AUTO_CONSUMERS_D and config.persistent == "auto" and _fills_the_gpu(p)
                  and (p.mask_mod is not None or short_walk(p.Nq, p.Nk, p.causal, p.window)))
         long_bias = D == AUTO_CONSUMERS_D and seeds_bias(p) and p.Nk >= AUTO_TURNS_BIAS_NK
-        return config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias)
+        three = D == AUTO_CONSUMERS_D and three_consumers(p)
+        # a distance bias on three consumers: the persistent grid at every length (4-8% faster than the per-tile
+        # grid at N = 2k-16k causal, H100, session 23 call 3); sinks follow plain attention's rule
+        short = short or (three and config.persistent == "auto" and seeds_bias(p) and _fills_the_gpu(p))
+        return config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three)
 
     def check(self, problem, config, direction):
         super().check(problem, self._resolved(problem, config), direction)
