@@ -88,7 +88,9 @@
 // zero fill, computed on zero Q where the band lets them see keys, never written) and not the last, whose walk
 // is the longest: Br = 192 at N = 2k
 // causal leaves a third of the last tile's rows empty for all 16 of its key tiles. Not with a block-sparse layout
-// or modifiers (their lookups index rows; the host passes 0 there). Predicted (H100, d = 64, causal, fa3):
+// or a mask modifier (their tile tables are top-aligned; the host passes 0 there). With score modifiers and sinks
+// since session 23: a full tile needs row0 >= 0 and the partial path checks 0 <= i < Nq, so that the modifier never
+// sees a row above 0 (a buffer indexed by i). Predicted (H100, d = 64, causal, fa3):
 // +4-5% at N = 2k-4k (5.2% / 5.8% less tile work), ~+1% at 8k-16k, nothing non-causal (shift 0). Measured
 // (2026-11-26-session-9.md, same call): fa3 +6.3% / +8.3% / +0.8% / +1.1% at N = 2k / 4k / 8k / 16k, fa3-ws
 // +3.4% / +6.8% / +0.2% / +1.6%: 0.91-0.99x SDPA cuDNN causal, was 0.85-0.98x.

@@ -365,6 +365,8 @@ def test_three_consumers_where_modifiers_stay_spill_free():
         assert cfg.consumers == consumers, p
         if persistent is not None:
             assert cfg.persistent is persistent, p
+    explicit = sandbox.get_variant("fa3", consumers=2)          # a bias on two consumers keeps the walk rule
+    assert explicit.variant.impl._resolved(P(16384, score_mod=alibi), explicit.config).persistent is False
     assert bound.config.for_head_dim(64, mods=True, three=True).consumers == 3
     assert bound.config.for_head_dim(128, mods=True, three=True).consumers == 2
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64, mods=True, three=True).consumers == 2
@@ -605,11 +607,12 @@ def test_bottom_aligned_q_tiles_match_oracle(name, dtype):
 
 def _row_bias(n: int):
     """A user modifier reading a buffer indexed by the query row (s + qb[i]): rows < 0 of a shifted first Q tile
-    must never reach it."""
+    must never reach it. Their results are never written, so a read there would pass the oracle: the CUDA form traps
+    on i < 0 (the launch then fails) instead."""
     from sandbox import modifiers
     buf = np.linspace(-1.0, 1.0, n)
     return modifiers.ScoreMod("row_bias", lambda s, b, h, i, j, qb: s + qb[i], lambda s, b, h, i, j, qb: s + qb[i],
-                              "s + qb[i]", buffers={"qb": buf})
+                              "(i < 0 ? (__trap(), s) : s + qb[i])", buffers={"qb": buf})
 
 
 @pytest.mark.gpu

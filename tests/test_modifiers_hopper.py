@@ -159,13 +159,17 @@ FORWARD_BUILDS = [("fa3", "float16", D, sm, mm) for D in (64, 128) for sm, mm in
 
 def _forward_unit(name, dtype, D, sm, mm, walk="long"):
     """The build a forward with these modifiers launches; fa3's "auto"s resolved at D with modifiers (walk "short":
-    the persistent grid at D = 64, as on short walks; "tiles": the per-tile grid, persistent=False)."""
+    the persistent grid at D = 64, as on short walks; "tiles": the per-tile grid, persistent=False), with three
+    consumers at D = 64 where fa3_ws.three_consumers takes them (sinks, ALiBi: the per-tile grid on "long" walks,
+    the persistent one on "short")."""
+    from variants.fa3_ws import three_consumers
     cfg = _config(name)
+    p = _problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)
     if hasattr(cfg, "for_head_dim"):
-        cfg = cfg.for_head_dim(D, mods=True, short=walk == "short")
+        cfg = cfg.for_head_dim(D, mods=True, short=walk == "short", three=D == 64 and three_consumers(p))
         if walk == "tiles":
             cfg = dataclasses.replace(cfg, persistent=False)
-    return cfg.unit(dtype, D, ModKernel.of(_problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)))
+    return cfg.unit(dtype, D, ModKernel.of(p))
 
 
 @pytest.fixture(scope="module")

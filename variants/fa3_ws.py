@@ -12,7 +12,8 @@ overlap of the softmax with the GEMMs; Algorithm 2).
            `softmax_turns`: they take turns at the softmax instead, so that two softmaxes never run at once
            (on at d = 128, "auto": 1-13% faster there, bench/results/h100/2026-11-27-session-17.md)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers; "auto": 3 at
-d <= 64 without modifiers, else 2, WsConfig.for_head_dim), ring
+d <= 64 without modifiers or with those that stay spill-free there (three_consumers), else 2,
+WsConfig.for_head_dim), ring
 slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
 polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
 with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
@@ -136,7 +137,7 @@ def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_
                             softmax_turns=bool(turns))
     # modifiers: persistent with two consumer warpgroups, or three where they stay spill-free (a soft-cap's build
     # spills with three, more so persistent)
-    may_persist = not config.pingpong and (not mods or consumers == 2 or three)
+    may_persist = not config.pingpong and (not mods or consumers == 2 or (three and consumers == 3))
     if config.persistent == "auto" and may_persist and (D == AUTO_PERSISTENT_D or (D == AUTO_CONSUMERS_D and short)):
         on = dataclasses.replace(c, persistent=True)
         c = on if on.forward_smem(D) <= SMEM_LIMIT else c        # two Q buffers beside stages=3 do not fit
@@ -170,7 +171,7 @@ class WsConfig:
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
         problem's walks are `short` (short_walk: 1-6% faster there, 1-4% slower on longer ones). With ping-pong
         (two warpgroups, its own schedule) neither changes. With `mods` (score / mask modifiers compiled in)
-        consumers stay 2 (three spill a soft-cap's build at 160 registers a thread and measured 7-47% slower
+        consumers stay 2 unless `three` (below; three spill a soft-cap's build at 160 registers a thread and measured 7-47% slower
         than two with soft-cap, ALiBi and a document mask at d = 64, N = 4k causal), and persistent follows the
         same rule as without, with two consumers only: at N = 4k causal it measured 3-13% faster than the
         non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1). Three consumers
@@ -312,7 +313,8 @@ class FA3WarpSpecialized(FA3Wgmma):
     for q, k and v instead of pointers and strides, PackedLaunch on the caller's stream."""
 
     # spill-free in the compile report (NVRTC 13, sm_90a) at D = 64, 128, 192 and 256: (block_c, consumers,
-    # stages), "auto" being Bc = 128 at D <= 128 and, for consumers, 3 at D = 64 without modifiers, else 2
+    # stages), "auto" being Bc = 128 at D <= 128 and, for consumers, 3 at D = 64 without modifiers (or with those
+    # three_consumers names), else 2
     # (WsConfig.for_head_dim); consumers=2 (the former default) and stages=3 compiled clean too at D <= 128 but
     # are left to compile on first use (the CI gate's time budget)
     TUNED = {("auto", "auto", 2)}
@@ -352,10 +354,13 @@ class FA3WarpSpecialized(FA3Wgmma):
                  and (p.mask_mod is not None or short_walk(p.Nq, p.Nk, p.causal, p.window)))
         long_bias = D == AUTO_CONSUMERS_D and seeds_bias(p) and p.Nk >= AUTO_TURNS_BIAS_NK
         three = D == AUTO_CONSUMERS_D and three_consumers(p)
-        # a distance bias on three consumers: the persistent grid at every length (4-8% faster than the per-tile
-        # grid at N = 2k-16k causal, H100, session 23 call 3); sinks follow plain attention's rule
-        short = short or (three and config.persistent == "auto" and seeds_bias(p) and _fills_the_gpu(p))
-        return config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three)
+        c = config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three)
+        # a distance bias on three consumers: the persistent grid at every length (6-12% faster than the per-tile
+        # grid at N = 2k-16k causal, H100, session 23 call 3); sinks, and a bias on two consumers, follow plain
+        # attention's rule
+        if three and c.consumers == 3 and not short and config.persistent == "auto" and seeds_bias(p) and _fills_the_gpu(p):
+            c = config.for_head_dim(D, True, True, score_text(p), long_bias, three)
+        return c
 
     def check(self, problem, config, direction):
         super().check(problem, self._resolved(problem, config), direction)
@@ -449,8 +454,8 @@ PARAMS = (
     Param("block_c", ("auto", 64, 80, 112, 128), "auto", "Bc: keys per K/V tile (the n of S = Q K^T's wgmma); auto: "
           "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
     Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
-          "one more warpgroup produces; auto: 3 at d <= 64 without modifiers or ping-pong, else 2 "
-          "(WsConfig.for_head_dim)"),
+          "one more warpgroup produces; auto: 3 at d <= 64 without ping-pong and without modifiers or with "
+          "sinks or ALiBi without dropout (spill-free there), else 2 (WsConfig.for_head_dim)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
     Param("persistent", ("auto", False, True), "auto", "one block per SM taking (Q tile, head) items from an atomic "
@@ -458,7 +463,8 @@ PARAMS = (
           "(FA3 Sec. 3.1's persistent kernel and tile scheduler; d <= 128, no ping-pong); auto: on at 64 < d <= 128 "
           "(measured 0-8% faster there, 4-13% with modifiers), at d <= 64 where a query row sees at most 3k keys on "
           "average and the Q tiles outnumber the SMs (1-6% faster there, 1-4% slower on longer rows); with "
-          "modifiers only with two consumer warpgroups"),
+          "modifiers only with two consumer warpgroups, or three with sinks (the same rule) or ALiBi (at every "
+          "length: 6-12% faster than the per-tile grid)"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
@@ -495,8 +501,9 @@ register(Variant(
                   "softmax (named barriers), so that one's MUFU work runs beside the other's GEMMs and the two softmaxes "
                   "never share the MUFU pipe; consumers=2, no ping-pong; auto: on at 64 < d <= 128 (measured 1-3% faster "
                   "non-causal, 2-13% causal, 0-4% with modifiers there; 0-11% slower at d = 64 than three consumers), "
-                  "and at d <= 64 with modifiers unless a score modifier's text is compiled in (ALiBi, document "
-                  "masks, sinks 1-8% faster; the soft-cap 5% slower)"),
+                  "and at d <= 64 with modifiers on two consumers unless a score modifier's text is compiled in "
+                  "(document masks, ALiBi with dropout; the soft-cap 5% slower with them); ALiBi without dropout "
+                  "and sinks run three consumers there, which take no turns"),
             Param("mufu_pipe", (False, True), False, "with a score modifier (not ALiBi's seeded form), a full tile's "
                   "modifier and row max, then its exponentials and row sums, in groups of two n8 blocks tied to the row "
                   "max / sums two groups back, so that the ALU work fills the issue slots between the MUFU ops (tanh, "
