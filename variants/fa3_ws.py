@@ -171,8 +171,9 @@ class WsConfig:
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
         problem's walks are `short` (short_walk: 1-6% faster there, 1-4% slower on longer ones). With ping-pong
         (two warpgroups, its own schedule) neither changes. With `mods` (score / mask modifiers compiled in)
-        consumers stay 2 unless `three` (below; three spill a soft-cap's build at 160 registers a thread and measured 7-47% slower
-        than two with soft-cap, ALiBi and a document mask at d = 64, N = 4k causal), and persistent follows the
+        consumers stay 2 unless `three` (below; three spill a soft-cap's build at 160 registers a thread and
+        measured 7-47% slower than two with soft-cap, ALiBi and a document mask at d = 64, N = 4k causal, when the
+        Q tiles of modified problems were top-aligned), and persistent follows the
         same rule as without, with two consumers only: at N = 4k causal it measured 3-13% faster than the
         non-persistent grid for the same three modifiers at d = 64 and 128 (session 12, call 1). Three consumers
         at D = 128 (Bc 64, no spills) measured 2% slower plain causal and 17% slower with a soft-cap at N = 4k
@@ -358,7 +359,8 @@ class FA3WarpSpecialized(FA3Wgmma):
         # a distance bias on three consumers: the persistent grid at every length (6-12% faster than the per-tile
         # grid at N = 2k-16k causal, H100, session 23 call 3); sinks, and a bias on two consumers, follow plain
         # attention's rule
-        if three and c.consumers == 3 and not short and config.persistent == "auto" and seeds_bias(p) and _fills_the_gpu(p):
+        if (three and c.consumers == 3 and not short and config.persistent == "auto" and seeds_bias(p)
+                and _fills_the_gpu(p)):
             c = config.for_head_dim(D, True, True, score_text(p), long_bias, three)
         return c
 
