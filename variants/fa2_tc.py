@@ -382,17 +382,20 @@ def _device_copy(arr: np.ndarray, xp):
     return _cached(key, lambda: xp.asarray(arr), xp)
 
 
-def modifier_tiles(p, block_r: int, block_c: int, xp=None) -> tuple:
+def modifier_tiles(p, block_r: int, block_c: int, xp=None, row_shift: int = 0) -> tuple:
     """(tile table [Bm * Hm, ceil(Nq/Br), ceil(Nk/Bc)] int8, i32(Hm) its heads, i32(Bm) its batch extent):
     the classes of band AND block mask AND mask modifier (on the GPU: variants/mask_tiles.py; xp None:
     masks.classify_tiles_mod on the host; each cached per mask) so
     that the kernels skip empty tiles and run the predicate in partial ones only; without a mask
-    modifier the usual table (Bm = 1). xp None: host arrays."""
+    modifier the usual table (Bm = 1), bottom-aligned by `row_shift` rows where asked (fa3_ws.cu; a mask
+    modifier's classes are top-aligned: refused there). xp None: host arrays."""
     if p.mask_mod is None:
         if xp is None:
-            t = classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
+            t = classify_tiles(p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask, row_shift)
             return t, i32(t.shape[0]), i32(1)
-        return (*tile_table(p, block_r, block_c, xp), i32(1))
+        return (*tile_table(p, block_r, block_c, xp, row_shift), i32(1))
+    if row_shift:
+        raise ValueError("row_shift: a mask modifier's tile tables are top-aligned")
     if xp is None:
         cls = classify_tiles_mod(p.mask_mod, p.B, p.Hq, p.Nq, p.Nk, block_r, block_c, p.band, p.block_mask)
     else:                       # on the GPU from the modifier's CUDA form (variants/mask_tiles.py), cached per mask

@@ -137,16 +137,12 @@ def forward_tiles(p, config, D, mods, xp, row_shift: int = 0) -> tuple:
     tiles (fa3_ws.cu; not with a mask modifier, whose classes are top-aligned)."""
     if hasattr(config, "for_head_dim"):
         config = config.for_head_dim(D, mods is not None)
-    if mods is None or (row_shift and p.mask_mod is None):      # score modifiers / sinks: the band's table
+    if mods is None:
         if xp is not None:
-            tiles, heads = tile_table(p, config.block_r, config.bc(D), xp, row_shift)
-        else:
-            tiles = classify_tiles(p.Nq, p.Nk, config.block_r, config.bc(D), p.band, p.block_mask, row_shift)
-            heads = i32(tiles.shape[0])
-        return tiles, heads, (() if mods is None else modifier_args(p, 1, xp, forward=True))
-    if row_shift:
-        raise ValueError("row_shift: a mask modifier's tile tables are top-aligned")
-    tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D), xp)
+            return (*tile_table(p, config.block_r, config.bc(D), xp, row_shift), ())
+        t = classify_tiles(p.Nq, p.Nk, config.block_r, config.bc(D), p.band, p.block_mask, row_shift)
+        return t, i32(t.shape[0]), ()
+    tiles, tile_heads, tile_b = modifier_tiles(p, config.block_r, config.bc(D), xp, row_shift)
     return tiles, tile_heads, modifier_args(p, tile_b, xp, forward=True)
 
 
