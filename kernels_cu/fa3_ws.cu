@@ -155,6 +155,11 @@ constexpr bool SOFTMAX_TURNS = true;
 #else
 constexpr bool SOFTMAX_TURNS = false;
 #endif
+#ifdef FA_P_SMEM
+constexpr bool P_SMEM = true;
+#else
+constexpr bool P_SMEM = false;
+#endif
 
 // ---- device helpers
 
@@ -235,11 +240,15 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
     static_assert(!PERSIST || (!PINGPONG && D <= 128), "persistent: no ping-pong, two Q buffers (D <= 128)");
     constexpr bool SM_TURNS = SOFTMAX_TURNS && OVERLAP && NC == 2;
     static_assert(!SOFTMAX_TURNS || (SM_TURNS && !PINGPONG), "softmax turns: two consumers, overlap, no ping-pong");
+    static_assert(!P_SMEM || (OVERLAP && BC % 64 == 0 && D <= 128), "P from shared memory: the overlapped loop, "
+                  "whole 64-key panels, D <= 128");
     constexpr int QBUFS = PERSIST ? 2 : 1;
+    constexpr unsigned P_BYTES = P_SMEM ? 64 * BC * 2 : 0;          // FA_P_SMEM: one [64][BC] P tile per consumer
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const unsigned sQ = (smem_addr(smem_raw) + 1023u) & ~1023u;     // panels on 1024-byte boundaries
     const unsigned sK = sQ + QBUFS * Q_BYTES, sV = sK + STAGES * KV_BYTES;   // ring slot s at + s * KV_BYTES
-    const unsigned bar = sV + STAGES * KV_BYTES;                     // mbarriers, 8 bytes each:
+    const unsigned sP = sV + STAGES * KV_BYTES;                      // FA_P_SMEM: consumer c's P tile at + c * P_BYTES
+    const unsigned bar = sP + NC * P_BYTES;                          // mbarriers, 8 bytes each:
     const unsigned q_full = bar, q_empty = bar + 16, k_full = bar + 32, v_full = k_full + 8 * STAGES,
                    k_empty = v_full + 8 * STAGES, v_empty = k_empty + 8 * STAGES;   // q_*: one per Q buffer
     const unsigned item_slot = v_empty + 8 * STAGES;                // PERSIST: [2] ints, the item of Q buffer qb
@@ -514,8 +523,28 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             auto my_turn = [&] { if constexpr (PINGPONG) named_sync(1 + c, 256); };
             auto your_turn = [&] { if constexpr (PINGPONG) named_arrive(2 - c, 256); };
             if (PINGPONG && c == 1) named_arrive(1, 256);
-            // prologue: S_0, its softmax; P_0 waits in registers for V_0
+            // P_j, waiting for V_j: in registers (pa, the A operand of wg_gemm_pv), or (FA_P_SMEM) in this
+            // warpgroup's P tile in shared memory, so that its 32 registers (Bc = 128) are free through the softmax
+            // of S_{j+1}: the three-consumer soft-cap's build spilled 392-556 bytes at 160 registers a thread with
+            // P in registers (S, O and P hold 128 of them there; SASS, session 23). The tile is rewritten after
+            // the wait for the GEMM that read it (wgmma_wait<0>; a warp's rows of P feed only its own rows of O),
+            // and published to the async proxy by the fence and the warpgroup's barrier (id 3 + c).
             unsigned pa[BC / 16][4];
+            const unsigned p_rows = sP + c * P_BYTES;
+            auto keep_p = [&](const float (&sc)[1][NT][4]) {
+                if constexpr (P_SMEM) {
+                    store_p<T, NT>(p_rows, sc, wrow % 64, lane);
+                    fence_proxy_async();
+                    named_sync(3 + c, 128);
+                } else {
+                    p_operands<T>(pa, sc);
+                }
+            };
+            auto issue_pv = [&](int slot) {
+                if constexpr (P_SMEM) wg_gemm_pv_ss<T, D, BC>(o[0], p_rows, sV + slot * KV_BYTES);
+                else wg_gemm_pv<T, D, BC>(o[0], pa, sV + slot * KV_BYTES);
+            };
+            // prologue: S_0, its softmax; P_0 waits for V_0
             int t = walk.first, s = it % STAGES;
             unsigned parity = (it / STAGES) & 1;
             {
@@ -533,7 +562,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 softmax_turn();
                 scores_to_p(sc, t, corr);              // O is still zero: no rescale
                 softmax_done();
-                p_operands<T>(pa, sc);
+                keep_p(sc);
             }
             for (int tn = walk.next(t); tn <= walk.last; tn = walk.next(tn)) {
                 ++it;
@@ -551,7 +580,7 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 wg_gemm_qk<T, D, BC, BR, FA_SEED_S>(sc[0], q_rows, sK + sn * KV_BYTES);       // S_{j+1} = Q K_{j+1}^T
                 wgmma_commit();
                 TRACE_EV(3);
-                wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);                  // O += P_j V_j
+                issue_pv(s);                                                        // O += P_j V_j
                 wgmma_commit();
                 your_turn();
                 TRACE_EV(4);
@@ -569,13 +598,13 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
                 TRACE_NEXT();
                 if (lane == 0) mbar_arrive(v_empty + 8 * s);
                 rescale_rows(o, corr);
-                p_operands<T>(pa, sc);
+                keep_p(sc);
                 t = tn, s = sn, parity = pn;
             }
             mbar_wait(v_full + 8 * s, parity);         // epilogue: the last O += P V
             my_turn();
             wgmma_fence();
-            wg_gemm_pv<T, D, BC>(o[0], pa, sV + s * KV_BYTES);
+            issue_pv(s);
             wgmma_commit();
             your_turn();
             if (PINGPONG && c == 0) named_sync(1, 256);   // warpgroup 1's last arrival

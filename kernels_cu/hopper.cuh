@@ -131,6 +131,47 @@ __device__ __forceinline__ void wg_gemm_pv(float (&o)[D / 8][4], const unsigned 
         Wgmma<T, D, true>::rs(o, pa[kk], wgmma_desc_at(db0, kk * 2048), 1);
 }
 
+// o += P V with P from shared memory (fa3_ws.cu FA_P_SMEM): A = the warpgroup's 64 rows of P at p_rows, laid out as
+// a [64][BC] tile of this header (BC / 64 panels 64 * 128 bytes apart; K-major, as Q in wg_gemm_qk), B as in
+// wg_gemm_pv. The same products as the register form: P is the same 16-bit values, only where they are read from.
+template <typename T, int D, int BC>
+__device__ __forceinline__ void wg_gemm_pv_ss(float (&o)[D / 8][4], unsigned p_rows, unsigned v_tile) {
+    static_assert(BC % 64 == 0, "P from shared memory: whole 64-key panels");
+    const unsigned long long da0 = wgmma_desc(p_rows, 16, 1024), db0 = wgmma_desc(v_tile, BC * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+        Wgmma<T, D, true>::ss(o, wgmma_desc_at(da0, (kk / 4) * 64 * 128 + (kk % 4) * 32),
+                              wgmma_desc_at(db0, kk * 2048), 1);
+}
+
+// Four 8 x 8 16-bit matrices from the warp's registers into shared memory (stmatrix, sm_90): lane l holds row
+// l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i in r[i]; lanes 8 i .. 8 i + 7 give the addresses of
+// matrix i's rows (16 bytes each, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// The warp's 16 rows of P (fp32 scores after the softmax, rounded to T as p_operands rounds them) into the
+// warpgroup's [64][BC] P tile at p_rows (wg_gemm_pv_ss's A), rows wrow .. wrow + 15. One stmatrix.x4 per 16 keys:
+// its four matrices are p_fragments' four registers (rows 0-7 / 8-15 by keys 0-7 / 8-15 of the k16 step), lane l
+// addressing row wrow + l % 8 + 8 ((l / 8) % 2), keys 16 kk + 8 (l / 16). Row r's 16-byte chunk c lands at chunk
+// c ^ (r % 8) (the 128-byte swizzle): the eight rows of one matrix hit eight different chunks, no bank conflict.
+// The caller fences (the wgmma reads through the async proxy) and syncs the warpgroup before the GEMM.
+template <typename T, int NT>
+__device__ __forceinline__ void store_p(unsigned p_rows, const float (&s)[1][NT][4], int wrow, int lane) {
+    static_assert(NT % 8 == 0, "P from shared memory: whole 64-key panels");
+    const int r = wrow + lane % 8 + 8 * ((lane / 8) % 2);
+    const unsigned row_at = p_rows + r * 128, sw = r % 8;
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        unsigned frag[1][4];
+        p_fragments<T>(frag, s, kk);
+        const int chunk = 2 * kk + lane / 16;            // 16-byte chunk of 8 keys along the row
+        stmatrix_x4(row_at + (chunk / 8) * 64 * 128 + (((chunk % 8) ^ sw) << 4), frag[0]);
+    }
+}
+
 // ---- a consumer warpgroup's softmax state
 
 // O = 0, m = -inf, l = 0 for the warp's 16 rows (one m16 slice: the wgmma accumulator layout).

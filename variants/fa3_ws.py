@@ -163,6 +163,8 @@ class WsConfig:
     mufu_pipe: bool = False                              # FA_MUFU_PIPE: a score-modified full tile's softmax pipelined
     q_prescale: bool = False                             # FA_Q_PRESCALE: Q times the modifier's scale in shared memory
                                                          # (where prescales() allows), no FMUL per score
+    p_smem: bool = False                                 # FA_P_SMEM: the overlapped loop's P_j in shared memory, the
+                                                         # A operand of O += P_j V_j from there (fa3 only)
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
                      long_bias: bool = False, three: bool = False) -> "WsConfig":
@@ -224,12 +226,14 @@ class WsConfig:
                 f"{'true' if dropout else 'false'}>")
 
     def forward_smem(self, D: int, dropout: bool = False, mods: bool = False) -> int:
-        """Q (two buffers when persistent), the STAGES K and V slots, the mbarriers (Q full / empty per buffer,
-        four per slot), the two item slots, 1024 bytes of alignment slack (kernels_cu/fa3_ws.cu)."""
+        """Q (two buffers when persistent), the STAGES K and V slots, with p_smem a [64][Bc] P tile per consumer,
+        the mbarriers (Q full / empty per buffer, four per slot), the two item slots, 1024 bytes of alignment slack
+        (kernels_cu/fa3_ws.cu)."""
         c = self.for_head_dim(D, mods)
         qbufs = 2 if c.persistent else 1
-        return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + 8 * (4 + 4 * self.stages) + 8
-                + 1024)
+        p_tiles = ITEMSIZE * c.block_r * self.bc(D) if self.p_smem else 0
+        return (ITEMSIZE * D * (qbufs * c.block_r + 2 * self.stages * self.bc(D)) + p_tiles + 8 * (4 + 4 * self.stages)
+                + 8 + 1024)
 
     def unit(self, dtype: str, D: int, mods=None, prescale: bool = False) -> CompileUnit:
         """Both dropout switches in one module; with `mods` (fa2_tc.ModKernel: the modifiers compiled in)
@@ -247,12 +251,13 @@ class WsConfig:
             raise ValueError("FA_Q_PRESCALE scales the scores a score modifier's text sees: a module without one "
                              "has no such factor")
         emu += ("-DFA_Q_PRESCALE",) if prescale else ()
+        emu += ("-DFA_P_SMEM",) if self.p_smem else ()
         return CompileUnit("fa3_ws.cu", names, cuda_options() + emu + (mods.options if mods else ()),
                            {n: self.forward_smem(D, mods=mods is not None) for n in names},
                            label=f"{'fa3' if self.overlap else 'fa3-ws'}[{dtype}, D={D}"
                                  f"{f', exp2_fma={self.exp2_fma}' if self.exp2_fma else ''}{', trace' if self.trace else ''}"
                                  f"{', softmax_turns' if turns else ''}{', mufu_pipe' if pipe else ''}"
-                                 f"{', q_prescale' if prescale else ''}"
+                                 f"{', q_prescale' if prescale else ''}{', p_smem' if self.p_smem else ''}"
                                  f"{mods.label if mods else ''}]",
                            archs=ARCHS)
 
@@ -268,6 +273,9 @@ class WsConfig:
             errs.append(f"softmax_turns=True takes turns at the softmax between two consumer warpgroups of the overlapped "
                         f"loop (variant fa3), without ping-pong; got consumers={c.consumers}"
                         f"{', pingpong=True' if c.pingpong else ''}{'' if c.overlap else ', no overlap'}")
+        if c.p_smem and (not c.overlap or D > 128 or c.bc(D) % 64):
+            errs.append(f"p_smem=True keeps P in shared memory for the overlapped loop (variant fa3) with whole 64-key "
+                        f"panels, d <= 128; got D = {D}, block_c={c.bc(D)}{'' if c.overlap else ', no overlap'}")
         if c.persistent and (c.pingpong or D > 128):
             errs.append(f"persistent=True double-buffers Q (D <= 128) and walks its tiles without ping-pong; got "
                         f"D = {D}{', pingpong=True' if c.pingpong else ''}")
@@ -330,10 +338,10 @@ class FA3WarpSpecialized(FA3Wgmma):
 
     def configure(self, block_c="auto", consumers="auto", stages=2, philox_rounds=10, pingpong=False, bwd_kernel="auto",
                   exp2_fma=0, persistent="auto", trace=False, softmax_turns="auto",
-                  mufu_pipe=False, q_prescale=False):
+                  mufu_pipe=False, q_prescale=False, p_smem=False):
         return WsConfig(block_c, consumers, stages, self.overlap, philox_rounds, pingpong,
                         TCConfig(philox_rounds=philox_rounds), bwd_kernel, exp2_fma, persistent, trace,
-                        softmax_turns, mufu_pipe, q_prescale)
+                        softmax_turns, mufu_pipe, q_prescale, p_smem)
 
     def report_configs(self):
         """The defaults (the tuned table) and ping-pong for fa3: the CI gate."""
@@ -514,6 +522,11 @@ register(Variant(
                   "default) ties with it at d = 64 and is 4% faster at d = 128; mufu_pipe overrides it where both apply "
                   "(kernels_cu/fa3_ws.cu); time it with "
                   "`python -m bench modifiers --variant fa3:mufu_pipe=true`"),
+            Param("p_smem", (False, True), False, "P_j waits for V_j in shared memory (one [64][Bc] tile per consumer "
+                  "warpgroup, stmatrix) instead of registers, and O += P_j V_j reads its A operand from there, so that "
+                  "the 32 registers P held (Bc = 128) are free through the next tile's softmax: the room a score "
+                  "modifier's temporaries need with three consumers at 160 registers a thread (kernels_cu/fa3_ws.cu); "
+                  "d <= 128, Bc 64 or 128; the same products, bit for bit"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
                   "the result is the same")),
@@ -521,5 +534,6 @@ register(Variant(
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
                    {"bwd_kernel": "wgmma"}, {"bwd_kernel": "mma"}, {"exp2_fma": 4}, {"softmax_turns": False},
-                   {"softmax_turns": True}),      # mufu_pipe changes score-modified builds only: bench modifiers times it
+                   {"softmax_turns": True}, {"p_smem": True}),
+    # mufu_pipe changes score-modified builds only: bench modifiers times it
     bench_sweep={"block_c": (64, 128), "consumers": (1, 2, 3), "stages": (2, 3)}))
