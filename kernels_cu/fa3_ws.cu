@@ -63,6 +63,17 @@
 //       FA_Q_PRESCALE (variants/fa3_ws.py q_prescale, off by default; with a score modifier's text): each consumer
 //       warpgroup multiplies its rows of the Q tile by mod_scale in shared memory once per item (prescale_q, below),
 //       so that no score needs the FMUL before the modifier; 6% off the soft-cap at d = 64, lse less precise.
+//       FA_P_SMEM (variants/fa3_ws.py p_smem, off by default; OVERLAP, Bc 64 or 128, D <= 128): P_j waits for V_j
+//       in a [64][BC] tile of shared memory per consumer warpgroup (hopper.cuh store_p: stmatrix), and O += P_j V_j
+//       reads its A operand there (wg_gemm_pv_ss) instead of from 32 registers (FA3's P V with P in shared memory
+//       rather than registers), so that S_{j+1}'s softmax has them. Predicted (session 23's SASS: S, O and the
+//       in-flight P hold 128 of the 160 registers of a three-consumer thread): a spill-free three-consumer
+//       soft-cap at d = 64, which would then gain what ALiBi gained from three consumers. Built (NVRTC 13, sm_90a):
+//       44 bytes of spill instead of 392 (four stmatrix addresses and one row sum, reloaded once an iteration).
+//       Measured (H100, d = 64, N = 2k-16k causal, bench/results/h100/2026-11-27-session-24.md): plain causal 9-11%
+//       SLOWER (ncu, N = 4k: 9% more instructions, shared-memory wavefronts 47M -> 89M: the SS wgmma reads P as
+//       well as V), the soft-cap on three consumers +46-52% over plain causal against fa3's default +43-53%:
+//       no gain. Bit for bit the same results as P in registers; kept as an option.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
