@@ -21,7 +21,7 @@ of that warm-up's output checked against the oracle (causal: they see keys < 256
 forward (and backward through autograd) timed the same way. Sinks have no flex_attention form (a denominator term without a key): that cell says so.
 Where PyTorch has no flex_attention or no CUDA, the flex rows are skipped with the reason.
 
-    python -m bench modifiers [--seqlens 1024,4096,8192] [--headdims 64,128] [--variant NAME] [--no-flex]
+    python -m bench modifiers [--seqlens 1024,4096,8192] [--headdims 64,128 (or 192, 256)] [--variant NAME] [--no-flex]
                               [--cases softcap,alibi]
 """
 from __future__ import annotations
@@ -289,7 +289,7 @@ def markdown(rows, flex_note: str | None = None) -> str:
 
 def add_arguments(ap):
     ap.add_argument("--seqlens", type=csv_of(kind=int, low=1), default=(1024, 4096, 8192))
-    ap.add_argument("--headdims", type=csv_of(allowed=(64, 128), kind=int), default=(64, 128))
+    ap.add_argument("--headdims", type=csv_of(allowed=(64, 128, 192, 256), kind=int), default=(64, 128))
     ap.add_argument("--variant", default=None,
                     help="a variant spec with the score_mod capability; default: the registry's (python -m bench plan modifiers)")
     ap.add_argument("--no-flex", dest="flex", action="store_false", help="skip the FlexAttention rows")
@@ -326,6 +326,9 @@ def _flex_rows(seqlens, dims, reps, cases=CASES) -> list[dict]:
     return rows
 
 
+TARGET_PCT = 10     # the soft-cap's and ALiBi's cost over plain causal that issue 18 asks for, drawn on the plots
+
+
 def plot(data, path):
     """Forward and backward cost over plain causal per case, against N; one panel per direction, a line
     per (implementation, d, case); with a single N, grouped bars (case x implementation and d) instead."""
@@ -334,12 +337,15 @@ def plot(data, path):
     if len({r["N"] for r in rows}) == 1:
         return _bars(data, rows, path)
     plt, fig, axes = _figure(ncols=2)
+    dims = sorted({r["d"] for r in rows})           # a marker per head dim, the smallest drawn solid
     for ax, key, title in zip(axes, ("fwd_overhead", "bwd_overhead"), ("forward", "backward")):
         for i, (impl, d, case) in enumerate(dict.fromkeys((r["impl"], r["d"], r["case"]) for r in rows)):
             pts = sorted((r["N"], 100 * r[key]) for r in rows if (r["impl"], r["d"], r["case"]) == (impl, d, case))
-            ax.plot(*zip(*pts), marker="o", color=f"C{CASES.index(case)}", ls="--" if impl == "flex_attention" else "-",
-                    alpha=1.0 if d == 64 else 0.6, label=f"{impl} d={d} {case}")
+            ax.plot(*zip(*pts), marker="os^D"[dims.index(d) % 4], color=f"C{CASES.index(case)}",
+                    ls="--" if impl == "flex_attention" else "-", alpha=1.0 if d == dims[0] else 0.6,
+                    label=f"{impl} d={d} {case}")
         ax.axhline(0, color="k", lw=0.5)
+        ax.axhline(TARGET_PCT, color="gray", lw=0.8, ls=":", label=f"{TARGET_PCT}% (issue 18's target)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N")
         ax.set_ylabel(f"{title} time over plain causal (%)")
