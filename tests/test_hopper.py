@@ -198,7 +198,8 @@ def test_head_dims_pad_to_the_kernels_and_pick_fa3s_key_tiles():
 def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
     """fa3 / fa3-ws consumers="auto": Br = 192 at D = 64 (three consumer warpgroups, spill-free since the
     band mask goes row by row there), two elsewhere, with modifiers (a soft-cap's text spills at 160
-    registers) and with ping-pong; an explicit count stays; an unresolved config refuses Br."""
+    registers in the overlapped loop) and with ping-pong; an explicit count stays; an unresolved config refuses Br.
+    A problem with a soft-cap: fa3-ws two, fa3 three without the overlap (test_score_text_runs_three_consumers_...)."""
     from sandbox import modifiers
     for name in ("fa3", "fa3-ws"):
         cfg = sandbox.get_variant(name).config
@@ -214,7 +215,8 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
             cfg.block_r
         assert cfg.for_head_dim(64).envelope_errors(64) == [] and cfg.envelope_errors(64) == []
         sm = dataclasses.replace(_problem(64), score_mod=modifiers.softcap(5.0))
-        assert sandbox.get_variant(name).variant.impl._resolved(sm, cfg).consumers == 2
+        # fa3 runs a score modifier's text on three consumers without the overlap (serial_three), fa3-ws on two
+        assert sandbox.get_variant(name).variant.impl._resolved(sm, cfg).consumers == (3 if name == "fa3" else 2)
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64).consumers == 2
 
 
@@ -254,8 +256,9 @@ def test_mean_visible_keys_counts_every_row(Nq, Nk, causal, window):
 
 def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
     """At d = 64 persistent="auto" is on where a row sees at most 3k keys on average (N = 2k, causal N = 4k on the
-    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, with modifiers the same (two consumers), and
-    never against an explicit choice."""
+    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, with modifiers the same (two consumers; fa3's
+    soft-cap on three without the overlap: at every length where the tiles outnumber the SMs), and never against an
+    explicit choice."""
     import variants.fa3_ws as ws
     from sandbox import modifiers
     from sandbox.problem import Problem
@@ -273,8 +276,11 @@ def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
         assert not resolved(4096, False).persistent and not resolved(8192, True).persistent
         assert resolved(2048, True).consumers == 3
         softcap = modifiers.softcap(20.0)
+        # fa3 runs the soft-cap on three consumers without the overlap, persistent at every length (serial_three)
         assert [(c.persistent, c.consumers) for c in (resolved(4096, True, score_mod=softcap),
-                                                       resolved(8192, True, score_mod=softcap))] == [(True, 2), (False, 2)]
+                                                       resolved(8192, True, score_mod=softcap))] == \
+            ([(True, 3), (True, 3)] if name == "fa3" else [(True, 2), (False, 2)])
+        assert not resolved(2048, True, B=1, score_mod=softcap).persistent       # 88 items: nothing to balance
         assert not impl._resolved(Problem(4, 8, 8, 2048, 2048, 64, "float16", causal=True),
                                   sandbox.get_variant(name, persistent=False).config).persistent
         assert resolved(16384, True, window=(512, 0)).persistent
@@ -357,7 +363,8 @@ def test_three_consumers_where_modifiers_stay_spill_free():
              (P(4096, score_mod=alibi, dropout_p=0.1, seed=1), False, 2, None),
              (P(4096, score_mod=sinks), True, 3, True), (P(16384, score_mod=sinks), True, 3, False),
              (P(4096, score_mod=sinks, dropout_p=0.1, seed=1), True, 3, True),
-             (P(4096, score_mod=modifiers.softcap(50.0)), False, 2, None), (P(4096, mask_mod=doc), False, 2, None),
+             (P(4096, score_mod=modifiers.softcap(50.0), dropout_p=0.1, seed=1), False, 2, None),
+             (P(4096, mask_mod=doc), False, 2, None),
              (P(4096, score_mod=sinks, mask_mod=doc), False, 2, None)]
     for p, three, consumers, persistent in cases:
         assert ws.three_consumers(p) is three, p
@@ -370,6 +377,42 @@ def test_three_consumers_where_modifiers_stay_spill_free():
     assert bound.config.for_head_dim(64, mods=True, three=True).consumers == 3
     assert bound.config.for_head_dim(128, mods=True, three=True).consumers == 2
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64, mods=True, three=True).consumers == 2
+
+
+def test_score_text_runs_three_consumers_without_the_overlap():
+    """fa3 at d = 64 with a score modifier's text (soft-cap, relative bias, sinks beside them), no mask modifier and no
+    dropout: three consumers without the overlap (fa3-ws's loop: OVERLAP false in the kernel's name), no turns, the
+    persistent grid unless persistent=False; everything else keeps the overlapped loop: dropout, a mask modifier,
+    d = 128, ALiBi's seeded form, an explicit consumer count, ping-pong, softmax turns, p_smem."""
+    from sandbox import modifiers
+    from sandbox.problem import Problem
+    from variants import fa3_ws as ws
+    P = lambda d=64, **kw: Problem(4, 32, 32, 4096, 4096, d, "float16", causal=True, **kw)      # noqa: E731
+    cap, rel = modifiers.softcap(50.0), modifiers.relative_bias(np.zeros((32, 9)), 4)
+    doc = modifiers.document(np.arange(4096) // 1024)
+
+    def resolved(p, **params):
+        bound = sandbox.get_variant("fa3", **params)
+        return bound.variant.impl._resolved(p, bound.config)
+
+    for p in (P(score_mod=cap), P(score_mod=rel), P(score_mod=cap.with_sinks(np.zeros(32)))):
+        assert ws.serial_three(p), p
+        c = resolved(p)
+        assert (c.consumers, c.overlap, c.persistent, c.softmax_turns) == (3, False, True, False), p
+        assert c.forward_name("float16", 64, False) == "fa3_ws_forward<__half, 64, 128, 3, 2, false, false, true, 10, false>"
+        assert c.envelope_errors(64) == []
+        assert resolved(p, persistent=False).persistent is False
+    assert (resolved(P(score_mod=cap), mufu_pipe=True).overlap, resolved(P(score_mod=cap), q_prescale=True).overlap) == (
+        False, False)                                   # switches of the softmax both loops share
+    kept = [(P(score_mod=cap, dropout_p=0.1, seed=1), {}), (P(score_mod=cap, mask_mod=doc), {}), (P(128, score_mod=cap), {}),
+            (P(score_mod=modifiers.alibi(modifiers.alibi_slopes(32))), {}), (P(score_mod=cap), {"consumers": 2}),
+            (P(score_mod=cap), {"consumers": 3}), (P(score_mod=cap), {"pingpong": True}),
+            (P(score_mod=cap), {"softmax_turns": True}), (P(score_mod=cap), {"p_smem": True})]
+    for p, params in kept:
+        assert resolved(p, **params).overlap is True, (p, params)
+    assert not ws.serial_three(P(score_mod=cap, dropout_p=0.1, seed=1)) and not ws.serial_three(P(score_mod=cap, mask_mod=doc))
+    ws_cfg = sandbox.get_variant("fa3-ws")
+    assert ws_cfg.variant.impl._resolved(P(score_mod=cap), ws_cfg.config).consumers == 2      # fa3's rule only
 
 
 def test_persistent_grid_and_shared_memory():

@@ -161,12 +161,14 @@ def _forward_unit(name, dtype, D, sm, mm, walk="long"):
     """The build a forward with these modifiers launches; fa3's "auto"s resolved at D with modifiers (walk "short":
     the persistent grid at D = 64, as on short walks; "tiles": the per-tile grid, persistent=False), with three
     consumers at D = 64 where fa3_ws.three_consumers takes them (sinks, ALiBi: the per-tile grid on "long" walks,
-    the persistent one on "short")."""
-    from variants.fa3_ws import three_consumers
+    the persistent one on "short"; a score modifier's text without a mask modifier: three without the overlap,
+    fa3_ws.serial_three)."""
+    from variants.fa3_ws import serial_three, three_consumers
     cfg = _config(name)
     p = _problem(_score_mods().get(sm), _mask_mods().get(mm), d=D)
     if hasattr(cfg, "for_head_dim"):
-        cfg = cfg.for_head_dim(D, mods=True, short=walk == "short", three=D == 64 and three_consumers(p))
+        cfg = cfg.for_head_dim(D, mods=True, short=walk == "short", three=D == 64 and three_consumers(p),
+                               serial=D == 64 and serial_three(p))
         if walk == "tiles":
             cfg = dataclasses.replace(cfg, persistent=False)
     return cfg.unit(dtype, D, ModKernel.of(p))
@@ -177,12 +179,20 @@ def built():
     return compile_reports([_forward_unit(*x) for x in FORWARD_BUILDS], "sm_90a")
 
 
+# fa3's three consumers without the overlap (fa3_ws.serial_three: the soft-cap, a relative bias at D = 64) may spill
+# this many bytes each way: the soft-cap's build spills 12 / 24 (16 / 32 with sinks; NVRTC 13, session 24), and runs
+# 0-9% faster than the spill-free overlapped two-consumer build (bench/results/h100/2026-11-27-session-24.md, call 7)
+SERIAL_SPILL = 32
+
+
 @pytest.mark.parametrize("build", FORWARD_BUILDS, ids=lambda x: "-".join(str(v) for v in x))
 def test_forward_builds_without_spills(built, build):
-    reports = built[_forward_unit(*build)]
+    unit = _forward_unit(*build)
+    reports = built[unit]
     assert len(reports) == 1
     r = reports[0]
-    assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 255, r
+    limit = SERIAL_SPILL if ", 3, 2, false, false, true" in r.name else 0       # three consumers, no overlap, persistent
+    assert r.spill_stores <= limit and r.spill_loads <= limit and r.registers <= 255, r
 
 
 # ---- GPU: against the oracle

@@ -13,7 +13,8 @@ overlap of the softmax with the GEMMs; Algorithm 2).
            (on at d = 128, "auto": 1-13% faster there, bench/results/h100/2026-11-27-session-17.md)
 Forward parameters: Bc (`block_c`), consumer warpgroups (`consumers`, Br = 64 x consumers; "auto": 3 at
 d <= 64 without modifiers or with those that stay spill-free there (three_consumers), else 2,
-WsConfig.for_head_dim), ring
+WsConfig.for_head_dim; fa3 at d <= 64 with a score modifier's text and no mask modifier or dropout: 3 without the
+overlap, serial_three), ring
 slots (`stages`), `overlap`, `philox_rounds`, `exp2_fma` (every k-th column block's softmax exp2 by a
 polynomial on the FMA pipe instead of MUFU.EX2: a rung that measured slower at every k on the H100, kept
 with its tests and its bench row; kernels_cu/tc_softmax.cuh, bench/results/h200/2026-11-26-session-6.md).
@@ -81,6 +82,17 @@ def three_consumers(p) -> bool:
     return False
 
 
+def serial_three(p) -> bool:
+    """Whether fa3's forward at D = 64 runs p on three consumer warpgroups without the intra-warpgroup overlap (fa3-ws's
+    loop; _resolve): a score modifier's text (the soft-cap, a relative bias; sinks beside it allowed), no mask modifier,
+    no dropout. The overlapped loop spills such a build at three consumers (392-556 bytes) and runs two; the loop
+    without the overlap spills 0-16 bytes at three, and on the persistent grid it measured faster than fa3's
+    two-consumer overlapped loop at every length (H100, fp16, causal, N = 2k / 4k / 8k / 16k: soft-cap 2% / 2% / 9% /
+    7%, relative bias 0% / 4% / 8% / 9%; bench/results/h100/2026-11-27-session-24.md, call 7; sessions 22-23 alike for
+    the soft-cap). Unmeasured with dropout or a mask modifier: those keep the overlapped loop."""
+    return score_text(p) and p.mask_mod is None and p.dropout_p == 0
+
+
 def _fills_the_gpu(p) -> bool:
     """Whether problem p has more Q tiles (at D = 64's Br = 192) than the GPU has SMs (True without a GPU): below,
     a persistent grid has nothing to balance. (Until session 10 each call also zeroed its item counter: host
@@ -122,9 +134,15 @@ def prescales(p, config, mods) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_text: bool = False,
-             long_bias: bool = False, three: bool = False) -> "WsConfig":
+             long_bias: bool = False, three: bool = False, serial: bool = False) -> "WsConfig":
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
+    if (serial and mods and D == AUTO_CONSUMERS_D and config.overlap and config.consumers == "auto"
+            and not config.pingpong and not explicit_turns and not config.p_smem):
+        # serial_three: three consumers without the overlap, on the persistent grid unless it is turned off
+        c = dataclasses.replace(config, consumers=3, overlap=False, softmax_turns=False,
+                                persistent=config.persistent == "auto" or bool(config.persistent))
+        return c if c.forward_smem(D) <= SMEM_LIMIT else dataclasses.replace(c, persistent=False)
     three = three and mods                  # modifiers that leave three consumers spill-free (three_consumers)
     plain = not config.pingpong and not explicit_turns and (not mods or three)
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
@@ -167,7 +185,7 @@ class WsConfig:
                                                          # A operand of O += P_j V_j from there (fa3 only)
 
     def for_head_dim(self, D: int, mods: bool = False, short: bool = False, score_text: bool = False,
-                     long_bias: bool = False, three: bool = False) -> "WsConfig":
+                     long_bias: bool = False, three: bool = False, serial: bool = False) -> "WsConfig":
         """The config with its "auto"s resolved for padded head dim D, as measured on the H100
         (bench/results/h100/2026-11-26-session-8.md, -session-9.md). consumers: 3 at D = 64 (Br = 192, 0.88-1.00x
         SDPA cuDNN non-causal), else 2. persistent: on at D = 128 (0-8% faster there); at D = 64 only where the
@@ -191,10 +209,13 @@ class WsConfig:
         dropout) take three, as plain attention does, and may take the persistent grid: with bottom-aligned Q tiles
         (row_shift, session 23) ALiBi ran +3-9% over plain causal at N = 2k-16k with three consumers on the
         persistent grid against +10-17% with two, and sinks +0-6% against +8-14% (H100, call 3 of
-        bench/results/h100/2026-11-27-session-23.md)."""
+        bench/results/h100/2026-11-27-session-23.md). `serial` (with `mods`, fa3 at D = 64, consumers "auto", no
+        ping-pong, softmax turns or p_smem asked for): a score modifier's text without a mask modifier or dropout
+        (serial_three) runs on three consumers without the overlap, fa3-ws's loop, on the persistent grid unless
+        persistent=False: 0-9% faster than the overlapped two (session 24)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
-        return _resolve(self, D, mods, short, score_text, long_bias, three)
+        return _resolve(self, D, mods, short, score_text, long_bias, three, serial)
 
     def _n(self) -> int:
         if self.consumers == "auto":
@@ -363,7 +384,10 @@ class FA3WarpSpecialized(FA3Wgmma):
                  and (p.mask_mod is not None or short_walk(p.Nq, p.Nk, p.causal, p.window)))
         long_bias = D == AUTO_CONSUMERS_D and seeds_bias(p) and p.Nk >= AUTO_TURNS_BIAS_NK
         three = D == AUTO_CONSUMERS_D and three_consumers(p)
-        c = config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three)
+        serial = D == AUTO_CONSUMERS_D and serial_three(p)
+        c = config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three, serial)
+        if serial and not c.overlap and config.persistent == "auto" and not _fills_the_gpu(p):
+            c = dataclasses.replace(c, persistent=False)     # no more Q tiles than SMs: nothing to balance
         # a distance bias on three consumers: the persistent grid at every length (6-12% faster than the per-tile
         # grid at N = 2k-16k causal, H100, session 23 call 3); sinks, and a bias on two consumers, follow plain
         # attention's rule
@@ -465,7 +489,9 @@ PARAMS = (
           "128 up to d = 128, 112 at d <= 192, 80 at d <= 256 (fa3_wgmma.AUTO_BC)"),
     Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
           "one more warpgroup produces; auto: 3 at d <= 64 without ping-pong and without modifiers or with "
-          "sinks or ALiBi without dropout (spill-free there), else 2 (WsConfig.for_head_dim)"),
+          "sinks or ALiBi without dropout (spill-free there), else 2 (WsConfig.for_head_dim); fa3 with a score "
+          "modifier's text (the soft-cap, a relative bias) at d <= 64, no mask modifier, no dropout: 3 without the "
+          "overlap (fa3-ws's loop) on the persistent grid, measured 0-9% faster than its overlapped two (serial_three)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
     Param("persistent", ("auto", False, True), "auto", "one block per SM taking (Q tile, head) items from an atomic "
