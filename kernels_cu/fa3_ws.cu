@@ -69,11 +69,13 @@
 //       rather than registers), so that S_{j+1}'s softmax has them. Predicted (session 23's SASS: S, O and the
 //       in-flight P hold 128 of the 160 registers of a three-consumer thread): a spill-free three-consumer
 //       soft-cap at d = 64, which would then gain what ALiBi gained from three consumers. Built (NVRTC 13, sm_90a):
-//       44 bytes of spill instead of 392 (four stmatrix addresses and one row sum, reloaded once an iteration).
-//       Measured (H100, d = 64, N = 2k-16k causal, bench/results/h100/2026-11-27-session-24.md): plain causal 9-11%
+//       44 bytes of spill stored instead of 412 on the persistent grid, 68 instead of 556 on the per-tile one (four
+//       stmatrix addresses and one row sum, reloaded once an iteration). Measured (H100, d = 64, N = 2k-16k causal,
+//       bench/results/h100/2026-11-27-session-24.md, with a 128-thread barrier after the stores): plain causal 9-11%
 //       SLOWER (ncu, N = 4k: 9% more instructions, shared-memory wavefronts 47M -> 89M: the SS wgmma reads P as
-//       well as V), the soft-cap on three consumers +46-52% over plain causal against fa3's default +43-53%:
-//       no gain. Bit for bit the same results as P in registers; kept as an option.
+//       well as V), the soft-cap on three consumers +46-52% over plain causal against the two-consumer default's
+//       +43-53% (3-4% slower at 2k-4k, 1-3% faster at 8k-16k). Bit for bit the same results as P in registers;
+//       kept as an option.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
@@ -536,17 +538,19 @@ fa3_ws_forward(const __grid_constant__ TmaDesc map_q,   // (d, Nq, Hq, B), box (
             if (PINGPONG && c == 1) named_arrive(1, 256);
             // P_j, waiting for V_j: in registers (pa, the A operand of wg_gemm_pv), or (FA_P_SMEM) in this
             // warpgroup's P tile in shared memory, so that its 32 registers (Bc = 128) are free through the softmax
-            // of S_{j+1}: the three-consumer soft-cap's build spilled 392-556 bytes at 160 registers a thread with
+            // of S_{j+1}: the three-consumer soft-cap's build spilled 412-556 bytes at 160 registers a thread with
             // P in registers (S, O and P hold 128 of them there; SASS, session 23). The tile is rewritten after
             // the wait for the GEMM that read it (wgmma_wait<0>; a warp's rows of P feed only its own rows of O),
-            // and published to the async proxy by the fence and the warpgroup's barrier (id 3 + c).
+            // and published to the async proxy by each thread's fence and a warp barrier: the wgmma that reads the
+            // tile is one operation of the four warps, which each issue it only after their own fence (as FA3's
+            // P in shared memory; session 24 first ran a 128-thread named barrier here).
             unsigned pa[BC / 16][4];
             const unsigned p_rows = sP + c * P_BYTES;
             auto keep_p = [&](const float (&sc)[1][NT][4]) {
                 if constexpr (P_SMEM) {
                     store_p<T, NT>(p_rows, sc, wrow % 64, lane);
                     fence_proxy_async();
-                    named_sync(3 + c, 128);
+                    __syncwarp();
                 } else {
                     p_operands<T>(pa, sc);
                 }

@@ -32,8 +32,8 @@ def _resolved(p, **params):
 
 def test_p_smem_module_switch_and_shared_memory():
     """Off by default; on, the module carries -DFA_P_SMEM (named in its label), the kernel names are unchanged, and
-    the block takes one [64][Bc] 16-bit P tile more per consumer warpgroup (24 KB more at d = 64's three consumers,
-    16 KB at d = 128's two), within the 227 KB an sm_90 block may have, persistent included."""
+    the block takes one [64][Bc] 16-bit P tile more per consumer warpgroup (48 KB more at d = 64's three consumers,
+    32 KB at d = 128's two), within the 227 KB an sm_90 block may have, persistent included."""
     assert sandbox.get_variant("fa3").config.p_smem is False
     for d, consumers, extra in ((64, 3, 3 * 64 * 128 * 2), (128, 2, 2 * 64 * 128 * 2)):
         p = _problem(d, Nq=4096, causal=True)
@@ -63,7 +63,7 @@ def test_p_smem_refused_where_the_kernel_has_no_such_loop():
 
 def test_p_smem_frees_the_registers_p_held():
     """NVRTC (sm_90a, fp16, d = 64, causal, three consumers at 160 registers a thread): without a score modifier the
-    build stays spill-free; with the soft-cap it spills less than with P in registers (session 24: 44 against 392
+    build stays spill-free; with the soft-cap it spills less than with P in registers (session 24: 44 against 412
     bytes stored on the persistent grid), and its cubin is another (the switch reaches the kernel)."""
     plain = _problem(64, Nq=4096, causal=True)
     capped = _problem(64, Nq=4096, causal=True, score_mod=M.softcap(30.0))
@@ -79,13 +79,28 @@ def test_p_smem_frees_the_registers_p_held():
     assert "serialized" not in b_on.log and b_on.cubin != b_off.cubin
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The options of every fa3_ws.cu unit a launch (or a plan) asks for, in order: p_smem is bit-equal to P in
+    registers by design, so only the module tells whether the switch reached the launch."""
+    import variants.fa3_ws as ws
+    seen, get = [], ws.get_kernel
+
+    def recording(unit, name):
+        seen.append(unit.options)
+        return get(unit, name)
+    monkeypatch.setattr(ws, "get_kernel", recording)
+    return seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_p_smem_matches_oracle_and_p_in_registers(dtype):
+def test_p_smem_matches_oracle_and_p_in_registers(dtype, launched):
     """p_smem=True against the oracle and bit for bit against p_smem=False: d = 64 with three consumers (persistent
     and per-tile grid) and two, d = 128 with softmax turns and with ping-pong, causal and ragged lengths, GQA, the
-    soft-cap, ALiBi, a document mask, dropout with a window, q_prescale, Bc = 64. A P tile rewritten before the GEMM
-    that reads it is done, or read before all four warps stored it, shows as a mismatch."""
+    soft-cap, ALiBi, a document mask, dropout with a window, q_prescale, Bc = 64; the launched module carries the switch
+    (or not). A P tile rewritten before the GEMM that reads it is done, or read before its warp stored it, can show as
+    a mismatch (a race shows only where the timing lets it)."""
     sc = M.softcap(30.0)
     docs = M.document(np.repeat([0, 1, 2], [300, 400, 300])[None])
     cases = [({"consumers": 3, "persistent": True}, fuzz.Case(1, 4, 2, 700, 700, 64, dtype,
@@ -106,24 +121,32 @@ def test_p_smem_matches_oracle_and_p_in_registers(dtype):
     for params, case in cases:
         fuzz.assert_case(sandbox.get_variant("fa3", p_smem=True, **params), case, "forward")
         q, k, v = case.inputs()[:3]
+        launched.clear()
         a = sandbox.forward(q, k, v, variant="fa3", p_smem=True, **params, **case.options)
+        assert launched and all("-DFA_P_SMEM" in o for o in launched), (params, case)
+        launched.clear()
         b = sandbox.forward(q, k, v, variant="fa3", **params, **case.options)
+        assert launched and not any("-DFA_P_SMEM" in o for o in launched), (params, case)
         assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), (params, case)
         assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), (params, case)
 
 
 @pytest.mark.gpu
-def test_p_smem_from_torch_takes_the_plan_path():
-    """From PyTorch (the plan path: fastpath), on the caller's stream, the same result as the generic path."""
+def test_p_smem_from_torch_takes_the_plan_path(launched):
+    """From PyTorch (the plan path: fastpath), on the caller's stream, the module with the switch, the same result
+    as the generic path."""
     torch = pytest.importorskip("torch")
+    from sandbox import fastpath
+    fastpath._PLANS.clear()                         # the plan is made (and its module asked for) in this call
     case = fuzz.Case(1, 4, 4, 512, 512, 64, "float16", {"causal": True, "score_mod": M.softcap(30.0)}, 11)
     q, k, v = case.inputs()[:3]
     a = sandbox.forward(q, k, v, variant="fa3", p_smem=True, consumers=3, **case.options)
     stream = torch.cuda.Stream()
+    launched.clear()
     with torch.cuda.stream(stream):
         t = sandbox.forward(*(torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, k, v)), variant="fa3",
                             p_smem=True, consumers=3, **case.options)
     stream.synchronize()
-    assert t.plan is not None
+    assert t.plan is not None and launched and all("-DFA_P_SMEM" in o for o in launched)
     assert np.array_equal(t.out.cpu().numpy(), np.asarray(a.out)) and np.array_equal(t.lse.cpu().numpy(),
                                                                                       np.asarray(a.lse))

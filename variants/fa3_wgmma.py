@@ -250,8 +250,9 @@ class FA3Wgmma(FA2TensorCore):
         also hold the wgmma backward's preprocessing) and with bwd_kernel="wgmma" (fa3_bwd.cu)."""
         units = [config.unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS if not config.envelope_errors(D)]
         if getattr(config, "persistent", None) == "auto":     # fa3-ws / fa3: D = 64's persistent default (short walks)
-            units += [u for u in (config.for_head_dim(64, short=True).unit(dt, 64) for dt in CAPS.dtypes)
-                      if u not in units]
+            short = config.for_head_dim(64, short=True)        # refused configs build nothing (their static_asserts)
+            units += [u for u in (short.unit(dt, 64) for dt in CAPS.dtypes)
+                      if u not in units and not short.envelope_errors(64)]
         if config == self.configure():
             units += [config.bwd.backward_unit(dt, D) for dt in CAPS.dtypes for D in HEAD_DIMS
                       if not config.bwd.backward_errors(D)]

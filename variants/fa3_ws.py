@@ -85,7 +85,7 @@ def three_consumers(p) -> bool:
 def serial_three(p) -> bool:
     """Whether fa3's forward at D = 64 runs p on three consumer warpgroups without the intra-warpgroup overlap (fa3-ws's
     loop; _resolve): a score modifier's text (the soft-cap, a relative bias; sinks beside it allowed), no mask modifier,
-    no dropout. The overlapped loop spills such a build at three consumers (392-556 bytes) and runs two; the loop
+    no dropout. The overlapped loop spills such a build at three consumers (412-556 bytes) and runs two; the loop
     without the overlap spills 0-16 bytes at three, and on the persistent grid it measured faster than fa3's
     two-consumer overlapped loop at every length (H100, fp16, causal, N = 2k / 4k / 8k / 16k: soft-cap 2% / 2% / 9% /
     7%, relative bias 0% / 4% / 8% / 9%; bench/results/h100/2026-11-27-session-24.md, call 7; sessions 22-23 alike for
