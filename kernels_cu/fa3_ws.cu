@@ -74,8 +74,9 @@
 //       bench/results/h100/2026-11-27-session-24.md, with a 128-thread barrier after the stores): plain causal 9-11%
 //       SLOWER (ncu, N = 4k: 9% more instructions, shared-memory wavefronts 47M -> 89M: the SS wgmma reads P as
 //       well as V), the soft-cap on three consumers +46-52% over plain causal against the two-consumer default's
-//       +43-53% (3-4% slower at 2k-4k, 1-3% faster at 8k-16k). Bit for bit the same results as P in registers;
-//       kept as an option.
+//       +43-53% (3-4% slower at 2k-4k, 1-3% faster at 8k-16k). With the warp barrier of today's code: plain causal
+//       8-9% slower, the soft-cap +46% against fa3's default +42% (three consumers without the overlap, since
+//       session 24: variants/fa3_ws.py serial_three). Bit for bit the same results as P in registers; an option.
 //       PERSIST (FA3 Sec. 3.1's persistent kernel and its dynamic tile scheduler; issue 17 step 5): grid
 //       (min(items, SMs), 1), each block taking (Q tile, batch, head) items from an atomic counter, head by
 //       head, a head's last Q tiles first. Q has two buffers (q_full / q_empty mbarriers, released by the consumers once an item's
