@@ -383,7 +383,7 @@ def test_score_text_runs_three_consumers_without_the_overlap():
     """fa3 at d = 64 with a score modifier's text (soft-cap, relative bias, sinks beside them), no mask modifier and no
     dropout: three consumers without the overlap (fa3-ws's loop: OVERLAP false in the kernel's name), no turns, the
     persistent grid unless persistent=False; everything else keeps the overlapped loop: dropout, a mask modifier,
-    d = 128, ALiBi's seeded form, an explicit consumer count, ping-pong, softmax turns, p_smem."""
+    d = 128, ALiBi's seeded form, an explicit consumer count, ping-pong, softmax turns, p_smem, the loop trace."""
     from sandbox import modifiers
     from sandbox.problem import Problem
     from variants import fa3_ws as ws
@@ -407,7 +407,8 @@ def test_score_text_runs_three_consumers_without_the_overlap():
     kept = [(P(score_mod=cap, dropout_p=0.1, seed=1), {}), (P(score_mod=cap, mask_mod=doc), {}), (P(128, score_mod=cap), {}),
             (P(score_mod=modifiers.alibi(modifiers.alibi_slopes(32))), {}), (P(score_mod=cap), {"consumers": 2}),
             (P(score_mod=cap), {"consumers": 3}), (P(score_mod=cap), {"pingpong": True}),
-            (P(score_mod=cap), {"softmax_turns": True}), (P(score_mod=cap), {"p_smem": True})]
+            (P(score_mod=cap), {"softmax_turns": True}), (P(score_mod=cap), {"p_smem": True}),
+            (P(score_mod=cap), {"trace": True})]                         # the trace records the overlapped loop
     for p, params in kept:
         assert resolved(p, **params).overlap is True, (p, params)
     assert not ws.serial_three(P(score_mod=cap, dropout_p=0.1, seed=1)) and not ws.serial_three(P(score_mod=cap, mask_mod=doc))

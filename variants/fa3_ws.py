@@ -138,8 +138,9 @@ def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
     if (serial and mods and D == AUTO_CONSUMERS_D and config.overlap and config.consumers == "auto"
-            and not config.pingpong and not explicit_turns and not config.p_smem):
-        # serial_three: three consumers without the overlap, on the persistent grid unless it is turned off
+            and not config.pingpong and not explicit_turns and not config.p_smem and not config.trace):
+        # serial_three: three consumers without the overlap, on the persistent grid unless it is turned off (not
+        # with trace=True: the loop trace records the overlapped loop, bench/loop_trace.py)
         c = dataclasses.replace(config, consumers=3, overlap=False, softmax_turns=False,
                                 persistent=config.persistent == "auto" or bool(config.persistent))
         return c if c.forward_smem(D) <= SMEM_LIMIT else dataclasses.replace(c, persistent=False)
@@ -210,7 +211,7 @@ class WsConfig:
         (row_shift, session 23) ALiBi ran +3-9% over plain causal at N = 2k-16k with three consumers on the
         persistent grid against +10-17% with two, and sinks +0-6% against +8-14% (H100, call 3 of
         bench/results/h100/2026-11-27-session-23.md). `serial` (with `mods`, fa3 at D = 64, consumers "auto", no
-        ping-pong, softmax turns or p_smem asked for): a score modifier's text without a mask modifier or dropout
+        ping-pong, softmax turns, p_smem or trace asked for): a score modifier's text without a mask modifier or dropout
         (serial_three) runs on three consumers without the overlap, fa3-ws's loop, on the persistent grid unless
         persistent=False: 0-9% faster than the overlapped two (session 24)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
