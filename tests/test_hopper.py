@@ -198,8 +198,7 @@ def test_head_dims_pad_to_the_kernels_and_pick_fa3s_key_tiles():
 def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
     """fa3 / fa3-ws consumers="auto": Br = 192 at D = 64 (three consumer warpgroups, spill-free since the
     band mask goes row by row there), two elsewhere, with modifiers (a soft-cap's text spills at 160
-    registers in the overlapped loop) and with ping-pong; an explicit count stays; an unresolved config refuses Br.
-    A problem with a soft-cap: fa3-ws two, fa3 three without the overlap (test_score_text_runs_three_consumers_...)."""
+    registers in the overlapped loop) and with ping-pong; an explicit count stays; an unresolved config refuses Br."""
     from sandbox import modifiers
     for name in ("fa3", "fa3-ws"):
         cfg = sandbox.get_variant(name).config
@@ -215,8 +214,7 @@ def test_auto_consumers_take_three_warpgroups_at_d64_without_modifiers():
             cfg.block_r
         assert cfg.for_head_dim(64).envelope_errors(64) == [] and cfg.envelope_errors(64) == []
         sm = dataclasses.replace(_problem(64), score_mod=modifiers.softcap(5.0))
-        # fa3 runs a score modifier's text on three consumers without the overlap (serial_three), fa3-ws on two
-        assert sandbox.get_variant(name).variant.impl._resolved(sm, cfg).consumers == (3 if name == "fa3" else 2)
+        assert sandbox.get_variant(name).variant.impl._resolved(sm, cfg).consumers == 2   # small: no serial_three
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64).consumers == 2
 
 
@@ -256,9 +254,8 @@ def test_mean_visible_keys_counts_every_row(Nq, Nk, causal, window):
 
 def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
     """At d = 64 persistent="auto" is on where a row sees at most 3k keys on average (N = 2k, causal N = 4k on the
-    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, with modifiers the same (two consumers; fa3's
-    soft-cap on three without the overlap: at every length where the tiles outnumber the SMs), and never against an
-    explicit choice."""
+    FA2 paper grid) and the Q tiles outnumber the SMs, off beyond, with modifiers the same (two consumers), and
+    never against an explicit choice."""
     import variants.fa3_ws as ws
     from sandbox import modifiers
     from sandbox.problem import Problem
@@ -276,11 +273,9 @@ def test_auto_persistent_at_d64_follows_the_walk_length(monkeypatch):
         assert not resolved(4096, False).persistent and not resolved(8192, True).persistent
         assert resolved(2048, True).consumers == 3
         softcap = modifiers.softcap(20.0)
-        # fa3 runs the soft-cap on three consumers without the overlap, persistent at every length (serial_three)
+        # 704 and 1,408 Q tiles for 132 SMs: below serial_three's 16 per SM, the overlapped two as before
         assert [(c.persistent, c.consumers) for c in (resolved(4096, True, score_mod=softcap),
-                                                       resolved(8192, True, score_mod=softcap))] == \
-            ([(True, 3), (True, 3)] if name == "fa3" else [(True, 2), (False, 2)])
-        assert not resolved(2048, True, B=1, score_mod=softcap).persistent       # 88 items: nothing to balance
+                                                       resolved(8192, True, score_mod=softcap))] == [(True, 2), (False, 2)]
         assert not impl._resolved(Problem(4, 8, 8, 2048, 2048, 64, "float16", causal=True),
                                   sandbox.get_variant(name, persistent=False).config).persistent
         assert resolved(16384, True, window=(512, 0)).persistent
@@ -379,15 +374,17 @@ def test_three_consumers_where_modifiers_stay_spill_free():
     assert sandbox.get_variant("fa3", pingpong=True).config.for_head_dim(64, mods=True, three=True).consumers == 2
 
 
-def test_score_text_runs_three_consumers_without_the_overlap():
-    """fa3 at d = 64 with a score modifier's text (soft-cap, relative bias, sinks beside them), no mask modifier and no
-    dropout: three consumers without the overlap (fa3-ws's loop: OVERLAP false in the kernel's name), no turns, the
-    persistent grid unless persistent=False; everything else keeps the overlapped loop: dropout, a mask modifier,
-    d = 128, ALiBi's seeded form, an explicit consumer count, ping-pong, softmax turns, p_smem, the loop trace."""
+def test_score_text_runs_three_consumers_without_the_overlap(monkeypatch):
+    """fa3 at d = 64 with a score modifier's text (soft-cap, relative bias, sinks beside them), no mask modifier, no
+    dropout, and at least SERIAL_WAVES Q tiles per SM (B 4, 32 heads, N = 4k: 2,816 tiles for 132 SMs): three consumers
+    without the overlap (fa3-ws's loop: OVERLAP false in the kernel's name), no turns, the persistent grid; everything
+    else keeps the overlapped loop: smaller problems (where it measured slower), dropout, a mask modifier, d = 128,
+    ALiBi's seeded form, an explicit consumer count, persistent=False, ping-pong, softmax turns, p_smem, the trace."""
     from sandbox import modifiers
     from sandbox.problem import Problem
     from variants import fa3_ws as ws
-    P = lambda d=64, **kw: Problem(4, 32, 32, 4096, 4096, d, "float16", causal=True, **kw)      # noqa: E731
+    monkeypatch.setattr(ws, "sm_count", lambda: 132)
+    P = lambda d=64, B=4, **kw: Problem(B, 32, 32, 4096, 4096, d, "float16", causal=True, **kw)      # noqa: E731
     cap, rel = modifiers.softcap(50.0), modifiers.relative_bias(np.zeros((32, 9)), 4)
     doc = modifiers.document(np.arange(4096) // 1024)
 
@@ -401,17 +398,23 @@ def test_score_text_runs_three_consumers_without_the_overlap():
         assert (c.consumers, c.overlap, c.persistent, c.softmax_turns) == (3, False, True, False), p
         assert c.forward_name("float16", 64, False) == "fa3_ws_forward<__half, 64, 128, 3, 2, false, false, true, 10, false>"
         assert c.envelope_errors(64) == []
-        assert resolved(p, persistent=False).persistent is False
+        assert resolved(p, persistent=True).overlap is False
     assert (resolved(P(score_mod=cap), mufu_pipe=True).overlap, resolved(P(score_mod=cap), q_prescale=True).overlap) == (
         False, False)                                   # switches of the softmax both loops share
-    kept = [(P(score_mod=cap, dropout_p=0.1, seed=1), {}), (P(score_mod=cap, mask_mod=doc), {}), (P(128, score_mod=cap), {}),
+    # B = 2: 1,408 tiles, 10.7 per SM (measured a tie); B = 4 with 4,000 SMs: under one per SM
+    assert not ws.serial_three(P(B=2, score_mod=cap))
+    monkeypatch.setattr(ws, "sm_count", lambda: 4000)
+    assert not ws.serial_three(P(score_mod=cap)) and resolved(P(score_mod=cap)).overlap is True
+    monkeypatch.setattr(ws, "sm_count", lambda: 132)
+    kept = [(P(B=2, score_mod=cap), {}), (P(score_mod=cap, dropout_p=0.1, seed=1), {}),
+            (P(score_mod=cap, mask_mod=doc), {}), (P(128, score_mod=cap), {}),
             (P(score_mod=modifiers.alibi(modifiers.alibi_slopes(32))), {}), (P(score_mod=cap), {"consumers": 2}),
-            (P(score_mod=cap), {"consumers": 3}), (P(score_mod=cap), {"pingpong": True}),
-            (P(score_mod=cap), {"softmax_turns": True}), (P(score_mod=cap), {"p_smem": True}),
+            (P(score_mod=cap), {"consumers": 3}), (P(score_mod=cap), {"persistent": False}),
+            (P(score_mod=cap), {"pingpong": True}), (P(score_mod=cap), {"softmax_turns": True}),
+            (P(score_mod=cap), {"p_smem": True}),
             (P(score_mod=cap), {"trace": True})]                         # the trace records the overlapped loop
     for p, params in kept:
         assert resolved(p, **params).overlap is True, (p, params)
-    assert not ws.serial_three(P(score_mod=cap, dropout_p=0.1, seed=1)) and not ws.serial_three(P(score_mod=cap, mask_mod=doc))
     ws_cfg = sandbox.get_variant("fa3-ws")
     assert ws_cfg.variant.impl._resolved(P(score_mod=cap), ws_cfg.config).consumers == 2      # fa3's rule only
 
@@ -838,3 +841,34 @@ def test_forward_arguments_follow_the_kernel_signature():
         got = [a.kind if isinstance(a, SimpleNamespace) else ptr_of[str(a.dtype)] if isinstance(a, np.ndarray)
                else c_of[type(a)] for a in (*args, *dropout_args(p), *rest)]
         assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_serial_three_matches_oracle_and_fa3_ws(monkeypatch, dtype):
+    """fa3's three consumers without the overlap (serial_three), taken here on small problems by counting one SM (16 Q
+    tiles per SM then means 16 tiles): forward and backward against the oracle, and the forward bit for bit equal to
+    fa3-ws's three consumers on the persistent grid (the same kernel). The soft-cap causal with ragged N, a relative
+    bias with a window, the soft-cap with sinks, GQA and Nq != Nk, the soft-cap non-causal with a negative scale."""
+    import variants.fa3_ws as ws
+    from sandbox import fuzz, modifiers
+    from sandbox.problem import make_problem
+    monkeypatch.setattr(ws, "sm_count", lambda: 1)
+    rel = modifiers.relative_bias(np.random.default_rng(3).standard_normal((4, 9)), 4)
+    cases = [fuzz.Case(2, 4, 2, 700, 700, 64, dtype, {"causal": True, "score_mod": modifiers.softcap(20.0)}, 1),
+             fuzz.Case(1, 4, 4, 900, 900, 64, dtype, {"window": (150, 20), "score_mod": rel}, 2),
+             fuzz.Case(2, 4, 2, 500, 800, 48, dtype, {"causal": True, "score_mod": modifiers.softcap(5.0).with_sinks(
+                 [0.3, -1.0, 0.0, 2.0])}, 3),
+             fuzz.Case(2, 4, 4, 600, 600, 64, dtype, {"score_mod": modifiers.softcap(8.0), "scale": -0.2}, 4,
+                       logit_scale=3.0)]
+    fa3 = sandbox.get_variant("fa3")
+    for case in cases:
+        p = make_problem(*case.inputs()[:3], **case.options)
+        c = fa3.variant.impl._resolved(p, fa3.config)
+        assert (c.consumers, c.overlap, c.persistent) == (3, False, True), case
+        fuzz.assert_case(fa3, case, "backward")
+        q, k, v = case.inputs()[:3]
+        a = sandbox.forward(q, k, v, variant="fa3", **case.options)
+        b = sandbox.forward(q, k, v, variant="fa3-ws", consumers=3, persistent=True, **case.options)
+        assert np.array_equal(np.asarray(a.out), np.asarray(b.out), equal_nan=True), case
+        assert np.array_equal(np.asarray(a.lse), np.asarray(b.lse), equal_nan=True), case

@@ -82,15 +82,23 @@ def three_consumers(p) -> bool:
     return False
 
 
+SERIAL_WAVES = 16          # serial_three: from this many Q tiles (Br = 192) per SM
+
+
 def serial_three(p) -> bool:
     """Whether fa3's forward at D = 64 runs p on three consumer warpgroups without the intra-warpgroup overlap (fa3-ws's
-    loop; _resolve): a score modifier's text (the soft-cap, a relative bias; sinks beside it allowed), no mask modifier,
-    no dropout. The overlapped loop spills such a build at three consumers (412-556 bytes) and runs two; the loop
-    without the overlap spills 0-16 bytes at three, and on the persistent grid it measured faster than fa3's
-    two-consumer overlapped loop at every length (H100, fp16, causal, N = 2k / 4k / 8k / 16k: soft-cap 2% / 2% / 9% /
-    7%, relative bias 0% / 4% / 8% / 9%; bench/results/h100/2026-11-27-session-24.md, call 7; sessions 22-23 alike for
-    the soft-cap). Unmeasured with dropout or a mask modifier: those keep the overlapped loop."""
-    return score_text(p) and p.mask_mod is None and p.dropout_p == 0
+    loop) on the persistent grid (_resolve): a score modifier's text (the soft-cap, a relative bias; sinks beside it
+    allowed), no mask modifier, no dropout, and at least SERIAL_WAVES Q tiles per SM (132 SMs assumed without a GPU).
+    The overlapped loop spills such a build at three consumers (412-556 bytes) and runs two; the loop without the
+    overlap spills 0-16 bytes at three (persistent), and measured faster than fa3's two-consumer overlapped loop on
+    large problems (H100, fp16, causal, B N = 16k, 32 heads, ~21 tiles per SM, N = 2k / 4k / 8k / 16k: soft-cap 2% /
+    2% / 9% / 7%, relative bias 0% / 4% / 8% / 9%; bench/results/h100/2026-11-27-session-24.md, call 7) but slower on
+    small ones, where the persistent grid has little to balance (call 13: the soft-cap causal +31% / +13% / +6.5% /
+    +2% / -0.3% at 0.7 / 1.5 / 2.7 / 5.3 / 10.7 tiles per SM, non-causal +10% / +8% at 2.7 / 5.3; a review run had
+    non-causal -10% at 21). Unmeasured with dropout or a mask modifier: those keep the overlapped loop."""
+    if not (score_text(p) and p.mask_mod is None and p.dropout_p == 0):
+        return False
+    return -(-p.Nq // (64 * 3)) * p.B * p.Hq >= SERIAL_WAVES * (sm_count() or 132)
 
 
 def _fills_the_gpu(p) -> bool:
@@ -138,12 +146,12 @@ def _resolve(config: "WsConfig", D: int, mods: bool, short: bool = False, score_
     """WsConfig.for_head_dim's "auto"s, cached (a forward resolves them on every call: no dataclass copy per call)."""
     explicit_turns = config.softmax_turns != "auto" and bool(config.softmax_turns)
     if (serial and mods and D == AUTO_CONSUMERS_D and config.overlap and config.consumers == "auto"
-            and not config.pingpong and not explicit_turns and not config.p_smem and not config.trace):
-        # serial_three: three consumers without the overlap, on the persistent grid unless it is turned off (not
-        # with trace=True: the loop trace records the overlapped loop, bench/loop_trace.py)
-        c = dataclasses.replace(config, consumers=3, overlap=False, softmax_turns=False,
-                                persistent=config.persistent == "auto" or bool(config.persistent))
-        return c if c.forward_smem(D) <= SMEM_LIMIT else dataclasses.replace(c, persistent=False)
+            and config.persistent is not False and not config.pingpong and not explicit_turns
+            and not config.p_smem and not config.trace):
+        # serial_three: three consumers without the overlap on the persistent grid (the per-tile grid measured
+        # slower than the overlapped two, session 24 call 7); not with trace=True: the loop trace records the
+        # overlapped loop (bench/loop_trace.py)
+        return dataclasses.replace(config, consumers=3, overlap=False, softmax_turns=False, persistent=True)
     three = three and mods                  # modifiers that leave three consumers spill-free (three_consumers)
     plain = not config.pingpong and not explicit_turns and (not mods or three)
     consumers = config.consumers if config.consumers != "auto" else (3 if D == AUTO_CONSUMERS_D and plain else 2)
@@ -211,9 +219,10 @@ class WsConfig:
         (row_shift, session 23) ALiBi ran +3-9% over plain causal at N = 2k-16k with three consumers on the
         persistent grid against +10-17% with two, and sinks +0-6% against +8-14% (H100, call 3 of
         bench/results/h100/2026-11-27-session-23.md). `serial` (with `mods`, fa3 at D = 64, consumers "auto", no
-        ping-pong, softmax turns, p_smem or trace asked for): a score modifier's text without a mask modifier or dropout
-        (serial_three) runs on three consumers without the overlap, fa3-ws's loop, on the persistent grid unless
-        persistent=False: 0-9% faster than the overlapped two (session 24)."""
+        ping-pong, softmax turns, p_smem, trace or persistent=False asked for): a score modifier's text without a mask
+        modifier or dropout on a problem of at least SERIAL_WAVES Q tiles per SM (serial_three) runs on three consumers
+        without the overlap, fa3-ws's loop, on the persistent grid: 0-9% faster than the overlapped two there
+        (session 24)."""
         if self.consumers != "auto" and self.persistent != "auto" and self.softmax_turns != "auto":
             return self
         return _resolve(self, D, mods, short, score_text, long_bias, three, serial)
@@ -387,8 +396,6 @@ class FA3WarpSpecialized(FA3Wgmma):
         three = D == AUTO_CONSUMERS_D and three_consumers(p)
         serial = D == AUTO_CONSUMERS_D and serial_three(p)
         c = config.for_head_dim(D, has_mods(p), short, score_text(p), long_bias, three, serial)
-        if serial and not c.overlap and config.persistent == "auto" and not _fills_the_gpu(p):
-            c = dataclasses.replace(c, persistent=False)     # no more Q tiles than SMs: nothing to balance
         # a distance bias on three consumers: the persistent grid at every length (6-12% faster than the per-tile
         # grid at N = 2k-16k causal, H100, session 23 call 3); sinks, and a bias on two consumers, follow plain
         # attention's rule
@@ -491,8 +498,9 @@ PARAMS = (
     Param("consumers", ("auto", 1, 2, 3), "auto", "consumer warpgroups, 64 query rows each (Br = 64 x consumers); "
           "one more warpgroup produces; auto: 3 at d <= 64 without ping-pong and without modifiers or with "
           "sinks or ALiBi without dropout (spill-free there), else 2 (WsConfig.for_head_dim); fa3 with a score "
-          "modifier's text (the soft-cap, a relative bias) at d <= 64, no mask modifier, no dropout: 3 without the "
-          "overlap (fa3-ws's loop) on the persistent grid, measured 0-9% faster than its overlapped two (serial_three)"),
+          "modifier's text (the soft-cap, a relative bias) at d <= 64, no mask modifier, no dropout, at least 16 Q tiles "
+          "per SM: 3 without the overlap (fa3-ws's loop) on the persistent grid, measured 0-9% faster than its "
+          "overlapped two there, slower on smaller problems (serial_three; not with persistent=False)"),
     Param("stages", (2, 3), 2, "K/V ring slots in shared memory (TMA runs up to stages - 1 tiles ahead)"),
     philox_rounds_param(), BWD_KERNEL,
     Param("persistent", ("auto", False, True), "auto", "one block per SM taking (Q tile, head) items from an atomic "
@@ -501,7 +509,8 @@ PARAMS = (
           "(measured 0-8% faster there, 4-13% with modifiers), at d <= 64 where a query row sees at most 3k keys on "
           "average and the Q tiles outnumber the SMs (1-6% faster there, 1-4% slower on longer rows); with "
           "modifiers only with two consumer warpgroups, or three with sinks (the same rule) or ALiBi (at every "
-          "length: 6-12% faster than the per-tile grid)"),
+          "length: 6-12% faster than the per-tile grid); fa3's three consumers without the overlap for a score "
+          "modifier's text (consumers, serial_three) always run on it"),
     Param("exp2_fma", (0, 2, 3, 4), 0, "the softmax's exp2 of every k-th column block (n8) on the FMA pipe (a "
           "degree-4 polynomial, kernels_cu/tc_softmax.cuh exp2_fma) instead of MUFU.EX2, the quarter-rate unit a "
           "score modifier's tanh also needs; 0: every exp2 on MUFU"),
@@ -529,8 +538,9 @@ register(Variant(
 
 register(Variant(
     name="fa3", family="fa3", backend="cuda",
-    description="Hopper rung 3: fa3-ws with the softmax of S_j+1 overlapped with O += P_j V_j (intra-warpgroup); "
-                "fa2-tc's backward",
+    description="Hopper rung 3: fa3-ws with the softmax of S_j+1 overlapped with O += P_j V_j (intra-warpgroup; "
+                "at d <= 64 a score modifier's text on large problems runs fa3-ws's loop on three consumers, "
+                "serial_three); fa2-tc's backward",
     impl=FA3WarpSpecialized("fa3", overlap=True), caps=CAPS,
     params=(*PARAMS, Param("pingpong", (False, True), False, "the two consumer warpgroups take turns issuing their "
                            "GEMMs (named barriers), one's softmax under the other's GEMMs (FA3 Sec. 3.1); consumers=2"),
@@ -556,7 +566,8 @@ register(Variant(
                   "d <= 128, Bc 64 or 128; the same products, bit for bit"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
-                  "the result is the same")),
+                  "the result is the same; the overlapped loop is kept where fa3 would run a score modifier's text "
+                  "without it (serial_three), so that there is a loop to trace")),
     seed_ref="FA3 paper Sec. 3.1-3.2, Algorithms 1 and 2",
     tags=("tc-ladder",),
     bench_configs=({"pingpong": True}, {"persistent": True}, {"persistent": False}, {"consumers": 2}, {"stages": 3}, {"block_c": 64}, {"consumers": 3, "block_c": 64},
