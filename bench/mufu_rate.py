@@ -4,7 +4,7 @@ sustains with 1-4 warps per SM sub-partition (kernels_cu/mufu_rate.cu, one block
 Why: the overlapped Hopper rung's soft-capped forward at d = 64 needs two MUFU ops per score, and its two consumer
 warps per sub-partition spend about a third of each iteration outside the softmax, so the rate one warp alone can
 sustain bounds the whole forward (README, "What the modifiers cost now"; bench/results/h100/2026-11-27-session-22.md: one warp ~68% of the
-peak, two ~95%, whatever the source order). Since session 24 fa3 runs large soft-capped problems at d = 64 on three
+peak, two ~95%, whatever the source order). Since session 24 that rung runs large soft-capped problems at d = 64 on three
 consumer warps per sub-partition without the overlap (variants/fa3_ws.serial_three); the rate at two, three and four
 warps also gives the soft-cap's floor: two MUFU ops per visible score at the sustained rate (session 24's results file).
 
