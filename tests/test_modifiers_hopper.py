@@ -161,8 +161,8 @@ FORWARD_BUILDS = [("fa3", "float16", D, sm, mm) for D in (64, 128) for sm, mm in
 def _serial(name, D, p) -> bool:
     """Whether fa3 runs p's modifiers on three consumers without the overlap on a large problem (fa3_ws.serial_three's
     conditions but the size: the shared test problem is small)."""
-    from variants.fa2_tc import score_text
-    return name == "fa3" and D == 64 and score_text(p) and p.mask_mod is None and p.dropout_p == 0
+    from variants.fa3_ws import serial_modifiers
+    return name == "fa3" and D == 64 and serial_modifiers(p)
 
 
 def _forward_unit(name, dtype, D, sm, mm, walk="long"):

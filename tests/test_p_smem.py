@@ -61,6 +61,16 @@ def test_p_smem_refused_where_the_kernel_has_no_such_loop():
     assert len(errs) == 1 and "p_smem" in errs[0] and "no overlap" in errs[0]
 
 
+def test_compile_units_leave_out_what_the_envelope_refuses():
+    """p_smem with 80-key tiles is refused at every head dim (whole 64-key panels only), so the compile report builds no
+    fa3_ws.cu forward for it, the D = 64 persistent unit included (built, it fails the kernel's static_assert)."""
+    impl = sandbox.get_variant("fa3").variant.impl
+    cfg = impl.configure(p_smem=True, block_c=80)
+    assert all(cfg.for_head_dim(D).envelope_errors(D) for D in (64, 128))
+    assert not [u for u in impl.compile_units(cfg) if u.source == "fa3_ws.cu"]
+    assert [u for u in impl.compile_units(impl.configure(p_smem=True)) if u.source == "fa3_ws.cu"]
+
+
 def test_p_smem_frees_the_registers_p_held():
     """NVRTC (sm_90a, fp16, d = 64, causal, three consumers at 160 registers a thread): without a score modifier the
     build stays spill-free; with the soft-cap it spills less than with P in registers (session 24: 44 against 412

@@ -96,9 +96,13 @@ def serial_three(p) -> bool:
     small ones, where the persistent grid has little to balance (call 13: the soft-cap causal +31% / +13% / +6.5% /
     +2% / -0.3% at 0.7 / 1.5 / 2.7 / 5.3 / 10.7 tiles per SM, non-causal +10% / +8% at 2.7 / 5.3; a review run had
     non-causal -10% at 21). Unmeasured with dropout or a mask modifier: those keep the overlapped loop."""
-    if not (score_text(p) and p.mask_mod is None and p.dropout_p == 0):
-        return False
-    return -(-p.Nq // (64 * 3)) * p.B * p.Hq >= SERIAL_WAVES * (sm_count() or 132)
+    return serial_modifiers(p) and -(-p.Nq // (64 * 3)) * p.B * p.Hq >= SERIAL_WAVES * (sm_count() or 132)
+
+
+def serial_modifiers(p) -> bool:
+    """serial_three's conditions on p's modifiers alone (whatever its size): a score modifier's text, no mask modifier,
+    no dropout (the builds that rule launches: tests/test_modifiers_hopper.py's spill gate)."""
+    return score_text(p) and p.mask_mod is None and p.dropout_p == 0
 
 
 def _fills_the_gpu(p) -> bool:
