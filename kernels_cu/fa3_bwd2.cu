@@ -138,13 +138,6 @@
 #define FACTORED_PARAMS
 #endif
 
-// FA3_BWD2_DK_LATE = L (0 by default; variants/fa3_backward.py unit2 dk_late): the last L of a tile's BR / 16 k16 steps
-// of dK += dS^T Q are issued in the next tile, after its S^T and dP^T, so that P's exponentials run under dP^T and
-// that part of dK instead of dP^T alone (see change 6 in the header).
-#ifndef FA3_BWD2_DK_LATE
-#define FA3_BWD2_DK_LATE 0
-#endif
-
 #ifdef FA3_BWD2_SERIAL
 #define BWD2_SERIAL true
 #else
@@ -187,9 +180,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     constexpr unsigned STAGE = 64 * 64 * 4;         // one warpgroup's 64 x 64 fp32 dQ block: 16 KB
     static_assert(D == 64 || D == 128, "head dim padded to 64 or 128");
     static_assert(BR == 64 || (BR == 128 && D == 64 && !DROPOUT), "BR = 128 only at D = 64 without dropout");
-    // dK's k16 steps issued in the next tile (change 6): FA3_BWD2_DK_LATE, at most all BR / 16 of them
-    constexpr int DK_LATE = FA3_BWD2_DK_LATE < BR / 16 ? FA3_BWD2_DK_LATE : BR / 16;
-    static_assert(DK_LATE >= 0, "FA3_BWD2_DK_LATE: a number of k16 steps");
     // Who computes which dQ block (below): a warpgroup's block is 64 queries x 64 columns; SPLIT_KEYS (D = 64,
     // BR = 64): both warpgroups compute the one block over their own 64 keys and add the partials.
     constexpr bool SPLIT_KEYS = D == 64 && BR == 64;
@@ -314,12 +304,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         mbar_init(q_full + 8, 1);
         mbar_init_fence();
     }
-    // DK_LATE: the first tile's late dK steps (of no tile) read the dS^T panel as both operands, zeroed here (the loop
-    // head's proxy fence and barrier publish it to the tensor cores), so that they add 0 without a branch around a wgmma
-    unsigned dk_late_q = sdS;                         // B operand (Q buffer) of the pending late dK steps
-    if (DK_LATE > 0)
-        for (unsigned off = threadIdx.x * 16; off < BC * BR * 2; off += THREADS * 16)
-            asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" :: "r"(sdS + off), "r"(0u) : "memory");
     __syncthreads();                                  // the mbarriers are initialised before any thread waits
     if (!advance(gi, t, ncls)) gi = group;
     if (gi < group) issue(gi, t, 0);
@@ -361,14 +345,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         wgmma_commit();
         wg_gemm_qk<T, D, BR, BC>(dp[0], v_rows, do_tile);    // dP^T = V dO^T
         wgmma_commit();
-        if (DK_LATE > 0) {                            // the last tile's late dK steps (its dS^T panel, its Q buffer)
-            const unsigned long long la = wgmma_desc(sdS + wg * 64 * 128, 16, 1024), lb = wgmma_desc(dk_late_q, BR * 128, 1024);
-#pragma unroll
-            for (int kk = BR / 16 - DK_LATE; kk < BR / 16; ++kk)
-                Wgmma<T, D, true>::ss(dk[0], wgmma_desc_at(la, (kk / 4) * (BC * 128) + (kk % 4) * 32),
-                                      wgmma_desc_at(lb, kk * 2048), 1);
-            wgmma_commit();
-        }
         if (BWD2_SERIAL) wgmma_wait<0>();
         // BR = 128: the next tile, walked here under the GEMMs (after the visibility bits below, ptxas spilled 372
         // bytes; BR = 64 takes the loop head's guess once S^T has landed).
@@ -422,25 +398,22 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
             return VIS_BITS ? !((hidden >> (4 * n + e)) & 1ull)
                             : i < Nq && j < Nk && (cls == TILE_FULL || visible(i, j));
         };
-        wgmma_wait<(DK_LATE > 0 ? 2 : 1)>();            // S^T landed (and the last tile's early dK); dP^T may still run
+        wgmma_wait<1>();                              // S^T landed (and the last tile's dK); dP^T may still run
         fence_accumulators(s[0]);
-        if (DK_LATE == 0) fence_accumulators(dk[0]);
+        fence_accumulators(dk[0]);
         // The last tile's dK += dS^T Q read its Q buffer and the dS^T panel under this tile's first GEMMs; at
         // this barrier both warpgroups' have completed, so the next tile's copies take the buffer (and pass 2
         // below may rewrite the panel). Issued here, not right after S^T and dP^T: there the copies' address
         // arithmetic beside the accumulators in flight makes ptxas split S^T, wait for it and copy its 32
         // accumulators (NVRTC 13).
-        // (DK_LATE: the late dK steps read that buffer until the dS^T barrier below, where the copies are issued.)
-        if (DK_LATE == 0) named_sync(3, THREADS);
+        named_sync(3, THREADS);
         if (BR == 64) {
             gi = ngi, t = nt, ncls = ncls_guess;
             if (gi < group && ncls == TILE_EMPTY) advance(gi, t, ncls);   // skip the EMPTY tiles of a sparse mask
         }
-        if (DK_LATE == 0) {
-            if (gi < group) issue(gi, t, buf ^ 1);    // a next tile
-            cp_async_commit();
-            buf ^= 1;
-        }
+        if (gi < group) issue(gi, t, buf ^ 1);        // a next tile
+        cp_async_commit();
+        buf ^= 1;
 
         // P = 2^(S scale_log2 - lse) where visible; element (n, e): query x = 8 n + 2 tq + (e & 1), key
         // wkey + g + 8 (e >= 2). Two copies of the loop: full tiles (every tile of a non-causal problem but
@@ -551,7 +524,7 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         wg_gemm_pv<T, D, BR>(dv[0], pa, do_tile);     // dV += P_drop^T dO
         wgmma_commit();
         if (BWD2_SERIAL) wgmma_wait<0>();
-        wgmma_wait<(DK_LATE > 0 ? 2 : 1)>();            // dP^T landed; dV (and the late dK steps) may still run
+        wgmma_wait<1>();                              // dP^T landed; dV may still run
         fence_accumulators(dp[0]);
 
         // dS^T = P o (dP Z / (1 - p) - D), packed to 16 bits into the dS^T panel (dQ's and dK's A operand)
@@ -580,10 +553,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
                 const unsigned addr = sdS + (c / 64) * (BC * 128) + r * 128 + ((((c % 64) / 8) ^ (r % 8)) << 4) + (c % 8) * 2;
                 asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(pd[n / 2][2 * (n % 2) + hr]));
             }
-        if (DK_LATE > 0) {                            // the late dK steps read this warpgroup's rows of the panel
-            wgmma_wait<1>();
-            fence_accumulators(dk[0]);
-        }
         fence_proxy_async();
         // The staging buffer this tile writes below was last read by the reduction issued at the previous tile's
         // head; the one issued at this tile's head (the other buffer) may still run. Waited for here, mid-tile,
@@ -591,11 +560,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         // the block barrier, every warp (ncu, D = 128, N = 4k, session 10: 8% of the stall samples).
         if (issuer) bulk_wait_read<1>();
         named_sync(1, THREADS);                       // both warpgroups' dS^T rows are in the panel
-        if (DK_LATE > 0) {                            // and both warpgroups' late dK steps read their Q buffer
-            if (gi < group) issue(gi, t, buf ^ 1);    // a next tile
-            cp_async_commit();
-            buf ^= 1;
-        }
         wgmma_fence();
 
         // dQ block of this warpgroup: 64 queries (dS^T panel qp) x 64 columns (K panel kp) over KEYS keys from
@@ -618,11 +582,10 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         // across the loop's back edge makes ptxas wait for it and copy the next S^T accumulators (NVRTC 13)
         const unsigned long long dk_a = wgmma_desc(sdS + wg * 64 * 128, 16, 1024), dk_b = wgmma_desc(q_tile, BR * 128, 1024);
 #pragma unroll
-        for (int kk = 0; kk < BR / 16 - DK_LATE; ++kk)
+        for (int kk = 0; kk < BR / 16; ++kk)
             Wgmma<T, D, true>::ss(dk[0], wgmma_desc_at(dk_a, (kk / 4) * (BC * 128) + (kk % 4) * 32),
                                   wgmma_desc_at(dk_b, kk * 2048), 1);
         wgmma_commit();
-        dk_late_q = q_tile;
         if (BWD2_SERIAL) wgmma_wait<0>();
         wgmma_wait<1>();                              // dV and dQ done; dK runs on into the next tile
         fence_accumulators(dq);
@@ -654,15 +617,6 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         if (SPLIT_KEYS && wg == 1) named_arrive(2, THREADS);   // read by warpgroup 0; rewritten two tiles on
         const int tile64 = ct * (BR / 64) + (BR == 128 ? wg : 0);
         pend = tile64 < nT64 ? bh * nT64 + tile64 : -1;
-    }
-    if (DK_LATE > 0) {                                // the last tile's late dK steps
-        wgmma_fence();
-        const unsigned long long la = wgmma_desc(sdS + wg * 64 * 128, 16, 1024), lb = wgmma_desc(dk_late_q, BR * 128, 1024);
-#pragma unroll
-        for (int kk = BR / 16 - DK_LATE; kk < BR / 16; ++kk)
-            Wgmma<T, D, true>::ss(dk[0], wgmma_desc_at(la, (kk / 4) * (BC * 128) + (kk % 4) * 32),
-                                  wgmma_desc_at(lb, kk * 2048), 1);
-        wgmma_commit();
     }
     wgmma_wait<0>();                                  // the last dK
     fence_accumulators(dk[0]);

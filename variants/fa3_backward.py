@@ -37,7 +37,6 @@ BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
 KERNELS = ("wgmma", "wgmma2")      # the bwd_kernel values these kernels serve ("mma" is fa2-tc's)
 SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation: GEMMs not overlapped
-DK_LATE = int(os.environ.get("SANDBOX_BWD2_DK_LATE", "0"))    # wgmma2: dK's k16 steps issued in the next tile
 TMA_ROWS = 64                      # wgmma2's Q and dO tensor maps: boxes of 64 rows x 64 columns
 
 
@@ -206,14 +205,13 @@ def unit2(dtype: str, D: int, rounds: int, serial: bool | None = None, mods: Mod
     score modifier's options (backward_mods "seed": the forward's, ModKernel.of(p); "text" and "mask": the
     backward's, module_mods), one dropout switch."""
     serial = SERIAL if serial is None else serial
-    late = (f"-DFA3_BWD2_DK_LATE={DK_LATE}",) if DK_LATE else ()
     drops = (False, True) if mods is None else (mods.dropout,)
     main = tuple(name2(dtype, D, drop, rounds) for drop in drops)
     shared = {n: smem2(D, rows2(D, drop)) for n, drop in zip(main, drops)}
     shared[dq_name(dtype)] = shared[pre_name(dtype)] = 0
-    opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + late + (mods.options if mods else ())
+    opts = cuda_options() + (("-DFA3_BWD2_SERIAL",) if serial else ()) + (mods.options if mods else ())
     return CompileUnit("fa3_bwd2.cu", (*main, dq_name(dtype), pre_name(dtype)), opts, shared,
-                       label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}{f', dk_late={DK_LATE}' if DK_LATE else ''}{mods.label if mods else ''}]",
+                       label=f"fa3-bwd2[{dtype}, D={D}{', serial' if serial else ''}{mods.label if mods else ''}]",
                        archs=ARCHS)
 
 
