@@ -157,7 +157,8 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4
 // its four matrices are p_fragments' four registers (rows 0-7 / 8-15 by keys 0-7 / 8-15 of the k16 step), lane l
 // addressing row wrow + l % 8 + 8 ((l / 8) % 2), keys 16 kk + 8 (l / 16). Row r's 16-byte chunk c lands at chunk
 // c ^ (r % 8) (the 128-byte swizzle): the eight rows of one matrix hit eight different chunks, no bank conflict.
-// The caller fences (the wgmma reads through the async proxy) and syncs the warpgroup before the GEMM.
+// The caller fences (the wgmma reads through the async proxy) and syncs the warp before the GEMM (each warp's
+// rows of P feed its own rows of O).
 template <typename T, int NT>
 __device__ __forceinline__ void store_p(unsigned p_rows, const float (&s)[1][NT][4], int wrow, int lane) {
     static_assert(NT % 8 == 0, "P from shared memory: whole 64-key panels");

@@ -96,7 +96,7 @@ def serial_three(p) -> bool:
     small ones, where the persistent grid has little to balance (call 13: the soft-cap causal +31% / +13% / +6.5% /
     +2% / -0.3% at 0.7 / 1.5 / 2.7 / 5.3 / 10.7 tiles per SM, non-causal +10% / +8% at 2.7 / 5.3; a review run had
     non-causal -10% at 21). Unmeasured with dropout or a mask modifier: those keep the overlapped loop."""
-    return serial_modifiers(p) and -(-p.Nq // (64 * 3)) * p.B * p.Hq >= SERIAL_WAVES * (sm_count() or 132)
+    return serial_modifiers(p) and _q_tiles_192(p) >= SERIAL_WAVES * (sm_count() or 132)
 
 
 def serial_modifiers(p) -> bool:
@@ -105,13 +105,18 @@ def serial_modifiers(p) -> bool:
     return score_text(p) and p.mask_mod is None and p.dropout_p == 0
 
 
+def _q_tiles_192(p) -> int:
+    """Problem p's Q tiles at D = 64's Br = 192 (three consumer warpgroups), over every batch and head."""
+    return -(-p.Nq // (64 * 3)) * p.B * p.Hq
+
+
 def _fills_the_gpu(p) -> bool:
     """Whether problem p has more Q tiles (at D = 64's Br = 192) than the GPU has SMs (True without a GPU): below,
     a persistent grid has nothing to balance. (Until session 10 each call also zeroed its item counter: host
     time per call at B = 1, N = 128 went 40 -> 57 us from torch in session 9's `bench host`; the kernel now
     leaves the stream's counter at zero.)"""
     sms = sm_count()
-    return sms is None or -(-p.Nq // (64 * 3)) * p.B * p.Hq > sms
+    return sms is None or _q_tiles_192(p) > sms
 
 
 def row_shift(p, block_r: int) -> int:
@@ -567,7 +572,8 @@ register(Variant(
                   "warpgroup, stmatrix) instead of registers, and O += P_j V_j reads its A operand from there, so that "
                   "the 32 registers P held (Bc = 128) are free through the next tile's softmax: the room a score "
                   "modifier's temporaries need with three consumers at 160 registers a thread (kernels_cu/fa3_ws.cu); "
-                  "d <= 128, Bc 64 or 128; the same products, bit for bit"),
+                  "d <= 128, Bc 64 or 128; the same products, bit for bit; measured slower on the H100 (plain causal 8-11%, the "
+                  "soft-cap no faster: bench/results/h100/2026-11-27-session-24.md), kept as a rung"),
             Param("trace", (False, True), False, "record clock64() at eight points of every loop iteration of block 0, "
                   "per consumer warpgroup (kernels_cu/fa3_ws.cu FA_TRACE; read_trace, python -m bench.loop_trace); "
                   "the result is the same; the overlapped loop is kept where fa3 would run a score modifier's text "
