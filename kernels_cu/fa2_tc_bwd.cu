@@ -88,8 +88,8 @@
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 #include "tc_mods.cuh"
-#ifdef FA_DIST_BIAS
-#error "fa2_tc_bwd.cu compiles a distance bias as its text (FA_SCORE_MOD): the seed is a forward / fa3_bwd2 form"
+#if defined(FA_SCORE_MOD) && !defined(FA_SCORE_MOD_GRAD)
+#error "fa2_tc_bwd.cu takes score modifiers with their derivative (or a distance bias), sinks and mask modifiers"
 #endif
 
 #define LOG2E_F 1.4426950408889634f
@@ -103,6 +103,31 @@ template <int BR>
 __device__ __forceinline__ int ds_chunk(int row, int chunk) {
     static_assert(BR == 32 || BR == 64 || BR == 128, "dS^T rows of 4, 8 or 16 chunks");
     return BR >= 64 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+}
+
+// The element-wise step of a tile (P, dS from S, dP) in two compiled forms, each under a block-uniform branch:
+// a full tile (no range, band / block mask or mask modifier check per element) and a masked tile (every check).
+// With FA_TANH_CORE the full form is the one whose soft-cap core takes sech^2 from its own tanh, in full tiles that
+// pass tc_mods.cuh bwd_core_small; the other tiles share the masked form (fa_sech2, `masked` tested per element).
+// f(masked, core_grad) is the kernel's lambda, given constants at each call so that each form is compiled apart.
+// Measured (H100, fp16 causal, N = 4k-8k, session 26): one form for all tiles ran plain causal 5-6% (d = 64) and
+// 14% (d = 128) slower; a third form (full tiles past |x| = 0.5) made the soft-cap 4% slower. SPLIT false (the
+// dropout builds, whose registers two forms of the Philox step would spill): one form, as before.
+#ifdef FA_TANH_CORE
+#define BWD_CORE_ARG msc.arg
+#else
+#define BWD_CORE_ARG 0.0f
+#endif
+template <bool SPLIT, typename F, typename S>
+__device__ __forceinline__ void elementwise_forms(F&& f, bool masked, const S& s, float core_arg) {
+#ifdef FA_TANH_CORE
+    if (!masked && bwd_core_small(s, core_arg)) f(false, true);
+    else f(masked, false);
+#else
+    if (!SPLIT) f(masked, false);
+    else if (masked) f(true, false);
+    else f(false, false);
+#endif
 }
 
 // ---- kernels
@@ -141,7 +166,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
            T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
            const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
            int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-           float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
+           float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS FACTORED_PARAMS) {   // modifiers only (tc_mods.cuh)
     constexpr int THREADS = WARPS * 32;
     constexpr int NQ = BR / 8;          // n8 tiles of S^T (queries)
     constexpr int ND = D / 8;           // n8 tiles of dK, dV, dQ
@@ -167,7 +192,10 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
     const int rg = warp % RG, wdq = (warp / RG) * (DQC / 8);   // this warp's dQ row group, first n8 column tile
     const int col0 = tc * BC, wkey = warp * 16 * MK, wq = rg * 16, dch = d / 8;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
-    const float scale_log2 = scale * LOG2E_F;
+    const float scale_log2 = scale * LOG2E_F, ds_scale = bwd_ds_scale(scale FACTORED_ARGS);   // dK's, dQ's factor
+#ifdef FA_SCORE_MOD
+    const BwdModScales msc = bwd_mod_scales(scale FACTORED_ARGS);
+#endif
 #ifdef FA_MASK_MOD
     BWD_WALK_RANGE                               // here, where few registers are live: below the dK, dV accumulators
 #endif                                           // the D = 128 build spilled 40 bytes (NVRTC 13, sm_90)
@@ -236,12 +264,17 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
             const float* cL = sL + cbuf * BR;
             const float* cD = sD + cbuf * BR;
             float s[MK][NQ][4], dp[MK][NQ][4];
-            gemm_qk<T, D>(s, kq.q, kq.k + off);          // S^T: this warp's keys x the tile's queries
+#ifdef FA_DIST_BIAS
+            seed_scores_t(s, dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey, row0, g, tq);   // tc_mods.cuh
+#endif
+            gemm_qk<T, D, FA_SEED_S>(s, kq.q, kq.k + off);   // S^T: this warp's keys x the tile's queries
             gemm_qk<T, D>(dp, vd.q, vd.k + off);         // dP^T = V dO^T
             const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
 #ifdef FA_SCORE_MOD
             const float fi0 = (float)(row0 + 2 * tq), fj0 = (float)(col0 + wkey + g);   // tc_mods.cuh: fi, fj
 #endif
+            // P_drop^T into s, dS^T into dp; core_grad: tc_mods.cuh bwd_mod_logit (elementwise_forms)
+            auto elementwise = [&](bool tile_masked, bool core_grad) {
 #pragma unroll
             for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
@@ -253,19 +286,17 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     const float L = cL[x];
 #ifdef FA_MODS
                     const bool vis = L != NEG_INF &&
-                                     (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
+                                     (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
                     float x2 = s[mk][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
                     if (vis) {
-                        const float sn = s[mk][n][e] * scale;
                         const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(mk * 16 + (e >= 2 ? 8 : 0));
-                        x2 = score_mod(sn, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E;
-                        gr = score_mod_grad(sn, b, h, i, j, fi, fj FA_SM_ARGS);
+                        x2 = bwd_mod_logit(s[mk][n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
                     }
 #endif
                     const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
 #else
-                    const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                    const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
                     const float p = vis ? exp2_ftz(s[mk][n][e] * scale_log2 - L) : 0.0f;
 #endif
                     float f = 1.0f;                       // Z / (1 - p) of element (i, j)
@@ -277,6 +308,8 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
 #endif
                 }
+            };
+            elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
             gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
             gemm_pv<T, D, BR>(dk, dp, vd.v + off);       // dK += dS^T Q (scaled at the end)
             if constexpr (!ATOMIC_DQ) continue;          // dQ is fa2_tc_bwd_dq's
@@ -314,12 +347,12 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
                     mma_16816<T>(dq[0][2 * dp2 + 1], a, bk + 2);
                 }
             }
-            add_dq_tiles(dq[0], row, wdq, i < Nq, d, tq, scale);    // float4 atomics (tc_softmax.cuh)
+            add_dq_tiles(dq[0], row, wdq, i < Nq, d, tq, ds_scale);    // float4 atomics (tc_softmax.cuh)
         }
     }
     cp_async_wait<0>();
 
-    // dK = scale dS^T Q, dV: this warp's 16 MK keys
+    // dK = ds_scale dS^T Q, dV: this warp's 16 MK keys
 #pragma unroll
     for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
@@ -332,7 +365,7 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
         for (int n = 0; n < ND; ++n) {
             const int c = n * 8 + 2 * tq;
             if (c < d) {
-                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[mk][n][2 * hr] * scale, dk[mk][n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[mk][n][2 * hr] * ds_scale, dk[mk][n][2 * hr + 1] * ds_scale);
                 *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[mk][n][2 * hr], dv[mk][n][2 * hr + 1]);
             }
         }
@@ -350,7 +383,7 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
               T* __restrict__ dQ,                 // [B, Hq, Nq, d] contiguous
               const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
               int tile_heads, int Hq, int group, int Nq, int Nk, int d,
-              float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // MOD_PARAMS: modifiers only (tc_mods.cuh)
+              float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS FACTORED_PARAMS) {   // modifiers only (tc_mods.cuh)
     constexpr int THREADS = WARPS * 32;
     constexpr int NT = BC / 8;          // n8 tiles of S and dP (keys)
     constexpr int ND = D / 8;           // n8 tiles of dQ
@@ -368,7 +401,13 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tq = lane % 4;
     const int tr = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / group;
     const int row0 = tr * BR, wrow = warp * 16, nTc = (Nk + BC - 1) / BC, dch = d / 8;
-    const float scale_log2 = scale * LOG2E_F;
+    const float scale_log2 = scale * LOG2E_F, ds_scale = bwd_ds_scale(scale FACTORED_ARGS);   // dQ's factor
+#ifdef FA_SCORE_MOD
+    const BwdModScales msc = bwd_mod_scales(scale FACTORED_ARGS);
+#endif
+#ifdef FA_DIST_BIAS
+    const float slope_raw = dist_slope(b, h FA_SM_ARGS) / scale;    // the bias in raw-score units (tc_mods.cuh)
+#endif
     const T* Kb = K + b * k_sb + hk * k_sh;
     const T* Vb = V + b * v_sb + hk * v_sh;
 #ifdef FA_MODS
@@ -419,14 +458,18 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
         }
         cp_async_commit();
         const unsigned off = buf * KVBUF;
-        float s[1][NT][4], dp[1][NT][4];
-        gemm_qk<T, D>(s, qa.q, qa.k + off);          // S = Q K_t^T
-        gemm_qk<T, D>(dp, da.q, da.k + off);         // dP = dO V_t^T
         const int cls = trow[t], col0 = t * BC;
+        float s[1][NT][4], dp[1][NT][4];
+#ifdef FA_DIST_BIAS
+        seed_scores(s, slope_raw, row0 + wrow, col0, g, tq);   // tc_mods.cuh: the bias seeds S
+#endif
+        gemm_qk<T, D, FA_SEED_S>(s, qa.q, qa.k + off);   // S = Q K_t^T
+        gemm_qk<T, D>(dp, da.q, da.k + off);         // dP = dO V_t^T
         const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
 #ifdef FA_SCORE_MOD
         const float fi0 = (float)(row0 + wrow + g), fj0 = (float)(col0 + 2 * tq);   // tc_mods.cuh: fi, fj
 #endif
+        auto elementwise = [&](bool tile_masked, bool core_grad) {     // dS into s (fa2_tc_bwd's lambda, S's layout)
 #pragma unroll
         for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -439,15 +482,13 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
                     const int e = 2 * hr + c;
 #ifdef FA_MODS
                     const bool vis = L[hr] != NEG_INF &&
-                                     (!masked || (i < Nq && j + c < Nk &&
+                                     (!tile_masked || (i < Nq && j + c < Nk &&
                                                   (cls == TILE_FULL || mod_visible(mask, b, h, i, j + c, MOD_FN_ARGS))));
                     float x2 = s[0][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
                     if (vis) {
-                        const float sn = s[0][n][e] * scale;
                         const float fi = fi0 + (float)(8 * hr), fj = fj0 + (float)(n * 8 + c);
-                        x2 = score_mod(sn, b, h, i, j + c, fi, fj FA_SM_ARGS) * LOG2E;
-                        gr = score_mod_grad(sn, b, h, i, j + c, fi, fj FA_SM_ARGS);
+                        x2 = bwd_mod_logit(s[0][n][e], gr, core_grad, msc, b, h, i, j + c, fi, fj FA_SM_ARGS);
                     }
 #endif
                     const float p = vis ? exp2_ftz(x2 - L[hr]) : 0.0f;
@@ -455,13 +496,15 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
                     s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]) * gr;   // dS_raw = dS_mod o mod'(s)
 #else
                     const bool vis = L[hr] != NEG_INF &&
-                                     (!masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
+                                     (!tile_masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
                     const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L[hr]) : 0.0f;
                     const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
                     s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]);   // dS = P o (dP Z / (1 - p) - D)
 #endif
                 }
             }
+        };
+        elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
         gemm_pv<T, D, BC>(dq, s, da.v + off);        // dQ += dS K_t, dS from registers
         buf ^= 1;
         t = next;
@@ -476,7 +519,7 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 #pragma unroll
         for (int n = 0; n < ND; ++n) {
             const int c = n * 8 + 2 * tq;
-            if (c < d) *reinterpret_cast<unsigned*>(row + c) = Elem<T>::pack(dq[0][n][2 * hr] * scale, dq[0][n][2 * hr + 1] * scale);
+            if (c < d) *reinterpret_cast<unsigned*>(row + c) = Elem<T>::pack(dq[0][n][2 * hr] * ds_scale, dq[0][n][2 * hr + 1] * ds_scale);
         }
     }
 }
@@ -528,13 +571,16 @@ __device__ __forceinline__ unsigned panel_bt(unsigned base, int lane) {
 }
 
 // c = A B^T for 16 rows (A, ROWS_A-row panels) by 8 NT rows (B, ROWS_B-row panels) over k = D: the S^T and dP^T
-// GEMMs of fa2_tc_bwd_wide (A: this warp's 16 keys of K or V; B: its half of the Q or dO tile).
-template <typename T, int D, int ROWS_A, int ROWS_B, int NT>
+// GEMMs of fa2_tc_bwd_wide (A: this warp's 16 keys of K or V; B: its half of the Q or dO tile). SEEDED: c += A B^T
+// (a distance bias where the accumulator starts, tc_mods.cuh seed_scores_t).
+template <typename T, int D, int ROWS_A, int ROWS_B, bool SEEDED = false, int NT>
 __device__ __forceinline__ void gemm_panels(float (&c)[NT][4], unsigned a_base, unsigned b_base) {
+    if constexpr (!SEEDED) {
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) c[n][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) c[n][e] = 0.0f;
+    }
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         unsigned a[4];
@@ -583,7 +629,7 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
                 T* __restrict__ dV,                 // [B, Hkv, Nk, d] contiguous
                 const signed char* __restrict__ tiles,   // [tile_heads, ceil(Nq/BR), ceil(Nk/BC)]
                 int tile_heads, int Hq, int Hkv, int group, int Nq, int Nk, int d,
-                float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS) {   // fa2_tc_bwd's signature
+                float scale, MASK_PARAMS, DROPOUT_PARAMS MOD_PARAMS FACTORED_PARAMS) {   // fa2_tc_bwd's signature
     constexpr int THREADS = WARPS * 32;
     constexpr int NQH = BR / 16;        // n8 tiles of this warp's S^T / dP^T: half the tile's queries
     constexpr int NDW = D / 16;         // n8 tiles of this warp's dK, dV: half the head dim
@@ -607,7 +653,10 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
     const int tc = blockIdx.x, bhk = blockIdx.y, b = bhk / Hkv, hk = bhk % Hkv;
     const int col0 = tc * BC, wkey = strip * 16, qh = hs * (BR / 2), wq = strip * 16, dch = d / 8;
     const int nTr = (Nq + BR - 1) / BR, nTc = (Nk + BC - 1) / BC;
-    const float scale_log2 = scale * LOG2E_F;
+    const float scale_log2 = scale * LOG2E_F, ds_scale = bwd_ds_scale(scale FACTORED_ARGS);   // dK's, dQ's factor
+#ifdef FA_SCORE_MOD
+    const BwdModScales msc = bwd_mod_scales(scale FACTORED_ARGS);
+#endif
 
     // S^T, dP^T: this warp's 16 keys (A) x the tile's queries qh .. qh + BR/2 - 1 (B), k = D
     const unsigned kA = panel_a(smem_addr(sK), wkey, lane), vA = panel_a(smem_addr(sV), wkey, lane);
@@ -667,12 +716,17 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
         const float* cD = sD + cbuf * BR;
         {
             float s[NQH][4], dp[NQH][4];
-            gemm_panels<T, D, BC, BR>(s, kA, qB + off);     // S^T: this warp's 16 keys x its half of the queries
+#ifdef FA_DIST_BIAS
+            seed_scores_t(reinterpret_cast<float (&)[1][NQH][4]>(s), dist_slope(b, h FA_SM_ARGS) / scale, col0 + wkey,
+                          row0 + qh, g, tq);   // tc_mods.cuh: the bias seeds S^T
+#endif
+            gemm_panels<T, D, BC, BR, FA_SEED_S>(s, kA, qB + off);   // S^T: this warp's 16 keys x its half of the queries
             gemm_panels<T, D, BC, BR>(dp, vA, doB + off);   // dP^T = V dO^T
             const bool masked = cls != TILE_FULL || col0 + BC > Nk || row0 + BR > Nq;
 #ifdef FA_SCORE_MOD
             const float fi0 = (float)(row0 + qh + 2 * tq), fj0 = (float)(col0 + wkey + g);   // tc_mods.cuh: fi, fj
 #endif
+            auto elementwise = [&](bool tile_masked, bool core_grad) {   // P_drop^T into s, dS^T into dp (as fa2_tc_bwd)
 #pragma unroll
             for (int n = 0; n < NQH; ++n)
 #pragma unroll
@@ -682,19 +736,17 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
                     const float L = cL[x];
 #ifdef FA_MODS
                     const bool vis = L != NEG_INF &&
-                                     (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
+                                     (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
                     float x2 = s[n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
                     if (vis) {
-                        const float sn = s[n][e] * scale;
                         const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(e >= 2 ? 8 : 0);
-                        x2 = score_mod(sn, b, h, i, j, fi, fj FA_SM_ARGS) * LOG2E;
-                        gr = score_mod_grad(sn, b, h, i, j, fi, fj FA_SM_ARGS);
+                        x2 = bwd_mod_logit(s[n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
                     }
 #endif
                     const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
 #else
-                    const bool vis = L != NEG_INF && (!masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                    const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
                     const float p = vis ? exp2_ftz(s[n][e] * scale_log2 - L) : 0.0f;
 #endif
                     float f = 1.0f;                       // Z / (1 - p) of element (i, j)
@@ -706,6 +758,8 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
                     dp[n][e] = p * (dp[n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
 #endif
                 }
+            };
+            elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
             // P_drop^T and dS^T (16-bit) to shared memory: the strip's other half needs them, and dQ needs dS^T
 #pragma unroll
             for (int n = 0; n < NQH; ++n)
@@ -744,13 +798,13 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
                         mma_16816<T>(dq[2 * jp], a[kk], bk);
                         mma_16816<T>(dq[2 * jp + 1], a[kk], bk + 2);
                     }
-                add_dq_tiles(dq, row, 8 * m + 4 * hs, i < Nq, d, tq, scale);   // float4 atomics (tc_softmax.cuh)
+                add_dq_tiles(dq, row, 8 * m + 4 * hs, i < Nq, d, tq, ds_scale);   // float4 atomics (tc_softmax.cuh)
             }
         }
     }
     cp_async_wait<0>();
 
-    // dK = scale dS^T Q, dV: this warp's 16 keys, columns 64 m + 32 hs + 8 (n % 4) of n8 tile n
+    // dK = ds_scale dS^T Q, dV: this warp's 16 keys, columns 64 m + 32 hs + 8 (n % 4) of n8 tile n
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
         const int j = col0 + wkey + g + 8 * hr;
@@ -761,7 +815,7 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
         for (int n = 0; n < NDW; ++n) {
             const int c = (n / 4) * 64 + 32 * hs + (n % 4) * 8 + 2 * tq;
             if (c < d) {
-                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[n][2 * hr] * scale, dk[n][2 * hr + 1] * scale);
+                *reinterpret_cast<unsigned*>(krow + c) = Elem<T>::pack(dk[n][2 * hr] * ds_scale, dk[n][2 * hr + 1] * ds_scale);
                 *reinterpret_cast<unsigned*>(vrow + c) = Elem<T>::pack(dv[n][2 * hr], dv[n][2 * hr + 1]);
             }
         }

@@ -128,15 +128,8 @@
 // FA_SCORE_FACTORED (sandbox/modifiers.py cuda_defines, a modifier with cuda_factored_grad): score_mod and
 // score_mod_grad are the factored core and its derivative, mod(x) = post core(pre x), mod'(x) = post pre
 // core'(pre x), and the factors come as three more arguments, so that a modifier such as the soft-cap needs no
-// buffer load per element (ptxas keeps none of them in registers across the loop's wgmma fences).
-#ifdef FA_TANH_CORE
-#define FA_TANH_GRAD_X 0.5f
-#endif
-#ifdef FA_SCORE_FACTORED
-#define FACTORED_PARAMS , float mod_pre, float mod_post_log2e, float mod_grad_factor
-#else
-#define FACTORED_PARAMS
-#endif
+// buffer load per element (ptxas keeps none of them in registers across the loop's wgmma fences). FACTORED_PARAMS,
+// bwd_ds_scale and the FA_TANH_CORE vote (bwd_core_small) are tc_mods.cuh's, shared with fa2_tc_bwd.cu.
 
 #ifdef FA3_BWD2_SERIAL
 #define BWD2_SERIAL true
@@ -205,12 +198,10 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
     const float scale_log2 = scale * LOG2E_F;
 #ifdef FA_SCORE_FACTORED
     const float scale_pre = scale * mod_pre;          // the factored core's argument: pre times the scaled score
-    // dS's factor post pre (mod' = post pre core'), applied with the scale in dK's epilogue (and, by the host, in
-    // fa3_bwd2_dq's) instead of once per score
-    const float ds_scale = scale * mod_grad_factor;
-#else
-    const float ds_scale = scale;
 #endif
+    // dS's factor: the scale, times a factored modifier's post pre, applied in dK's epilogue (and, by the host, in
+    // fa3_bwd2_dq's) instead of once per score
+    const float ds_scale = bwd_ds_scale(scale FACTORED_ARGS);
     const float keep_factor = drop.threshold == 0u ? 1.0f : drop.inv_keep;   // dropout_factor of a kept element
     const unsigned k_rows = sK + wg * 64 * 128, v_rows = sV + wg * 64 * 128;   // this warpgroup's 64 keys (A)
 #ifdef FA_MASK_MOD
@@ -497,22 +488,11 @@ fa3_bwd2(const __grid_constant__ TmaDesc map_q,                                 
         };
 #ifdef FA_TANH_CORE
         // FA_TANH_CORE (sandbox/modifiers.py cuda_defines: a factored core fa_tanh(s) with derivative fa_sech2(s), the
-        // soft-cap's): where every argument x of the warp's tile has |x| <= FA_TANH_GRAD_X, the derivative is taken
-        // from the core's own value, sech^2 x = 1 - tanh^2 x (one FFMA), instead of fa_sech2 (an EX2 on the MUFU
-        // pipe and eight FMA-pipe instructions). MUFU.TANH's relative error (2^-11) then errs 1 - t^2 by at most
-        // 2 t^2 2^-11 / (1 - t^2) <= 2.7e-4 (2^-11.9) relative at |x| = 0.5; past that the cancellation grows
-        // (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile holding a larger one (or an inf: the comparison
-        // fails) keeps fa_sech2. fmaxf drops a NaN score, which then gives a NaN either way (1 - NaN^2). Masked tiles
+        // soft-cap's): where every argument x of the warp's tile has |x| <= FA_TANH_GRAD_X (tc_mods.cuh
+        // bwd_core_small), the derivative is taken from the core's own value, sech^2 x = 1 - tanh^2 x (one FFMA),
+        // instead of fa_sech2 (an EX2 on the MUFU pipe and eight FMA-pipe instructions). Masked tiles
         // (block-uniform) keep fa_sech2 and skip the vote.
-        bool small_x = false;
-        if (!masked) {
-            float amax = 0.0f;
-#pragma unroll
-            for (int n = 0; n < NQ; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[0][n][e]), fabsf(s[0][n][e + 1])));
-            small_x = __all_sync(0xffffffffu, amax * fabsf(scale_pre) <= FA_TANH_GRAD_X);
-        }
+        const bool small_x = !masked && bwd_core_small(s, scale_pre);
 #else
         constexpr bool small_x = false;
 #endif

@@ -2,8 +2,9 @@
 // fa2_tc_bwd.cu), on the registers of mma.m16n8k16 C fragments (layout: tc_softmax.cuh).
 //
 // Everything here is behind preprocessor switches that sandbox/modifiers.py (`cuda_defines`) sets
-// as NVRTC -D options; without them this header defines MOD_PARAMS as nothing and no function, so a
-// kernel without modifiers compiles to the same code as before it included this header.
+// as NVRTC -D options; without them this header defines MOD_PARAMS as nothing and no function but
+// bwd_ds_scale (the scale itself there), so a kernel without modifiers compiles to the same code as before it
+// included this header.
 //   FA_SCORE_MOD        a score modifier: float score_mod(float s, int b, int h, int i, int j, float fi,
 //                       float fj, buffers...); fi, fj are i, j as floats (exact below 2^24, which the host
 //                       checks), formed once per row and per column of a tile, so that a modifier of the
@@ -11,17 +12,19 @@
 //                       MUFU pipe the softmax's EX2 needs). An identity modifier (sinks alone) sets no
 //                       FA_SCORE_MOD: the kernel keeps its exp2 fast path (scale folded into one FFMA).
 //   FA_SCORE_MOD_GRAD   its derivative score_mod_grad(...) (backward builds only)
-//   FA_SCORE_FACTORED   (fa3_bwd2 only) score_mod / score_mod_grad are a factored modifier's core and the core's
+//   FA_SCORE_FACTORED   (backward builds) score_mod / score_mod_grad are a factored modifier's core and the core's
 //                       derivative (ScoreMod.cuda_factored_grad), their factors three kernel arguments
-//   FA_DIST_BIAS        instead of FA_SCORE_MOD (forward and fa3_bwd2 builds; where the host allows it: |scale| above
+//                       (FACTORED_PARAMS, below); FA_TANH_CORE: that core is fa_tanh, its derivative fa_sech2
+//   FA_DIST_BIAS        instead of FA_SCORE_MOD (every kernel; where the host allows it: |scale| above
 //                       the kernels' floor, variants/fa2_tc.py seeds_bias): the modifier is s + slope (j - i) (ALiBi),
 //                       with float dist_slope(int b, int h, buffers...); the scores stay raw (scale_log2 =
 //                       |scale| log2 e) and the bias in raw units, slope (j - i) / |scale|, is where the S
 //                       accumulator starts (seed_scores): one FFMA per element from an immediate instead of
 //                       the scale's FMUL, the distance's FADD and the slope's FFMA after the GEMM. A kernel
 //                       that seeds says so to mod_scores (SEEDED); one that does not fails to compile.
-//                       fa3_bwd2.cu (the wgmma backward) seeds its S^T the same way (seed_scores_t): the
-//                       derivative is 1, so that is all its backward needs.
+//                       The backward kernels (fa3_bwd2.cu, fa2_tc_bwd.cu) seed their S^T the same way
+//                       (seed_scores_t; fa2_tc_bwd_dq its S, seed_scores) with slope / scale: the derivative
+//                       is 1, so that is all a backward needs.
 //   FA_SINKS            a per-head sink logit in the softmax denominator (kernel argument mod_sink[Hq])
 //   FA_MASK_MOD         a mask modifier: bool mask_mod(int b, int h, int i, int j, buffers...)
 //   FA_MOD_FUNCS        the device functions above (the modifier's CUDA C text, on one line)
@@ -37,6 +40,30 @@
 // table ([mod_tile_b x tile_heads] tables, masks.classify_tiles_mod), so full tiles skip the
 // predicate and empty ones are never loaded.
 #pragma once
+
+// A factored score modifier's factors, kernel arguments of the backward kernels (sandbox/modifiers.py
+// ScoreMod.backward_factors): the core's argument is scale pre s, P = 2^(post log2 e core - lse), mod' = post pre
+// core'. Defined with or without modifiers (nothing without FA_SCORE_FACTORED), so kernels can list them.
+#ifdef FA_SCORE_FACTORED
+#define FACTORED_PARAMS , float mod_pre, float mod_post_log2e, float mod_grad_factor
+#define FACTORED_ARGS , mod_pre, mod_post_log2e, mod_grad_factor
+#else
+#define FACTORED_PARAMS
+#define FACTORED_ARGS
+#endif
+#if defined(FA_TANH_CORE) && !defined(FA_SCORE_FACTORED)
+#error "FA_TANH_CORE names a factored core (fa_tanh, fa_sech2): define FA_SCORE_FACTORED too"
+#endif
+
+// dS's factor in a backward kernel's epilogues: the scale, times a factored modifier's post pre (mod' = post pre
+// core': the kernels' dS holds core' alone, so that no FMUL per score applies a constant).
+__device__ __forceinline__ float bwd_ds_scale(float scale FACTORED_PARAMS) {
+#ifdef FA_SCORE_FACTORED
+    return scale * mod_grad_factor;
+#else
+    return scale;
+#endif
+}
 
 #if defined(FA_SCORE_MOD) && defined(FA_DIST_BIAS)
 #error "FA_DIST_BIAS replaces FA_SCORE_MOD: define one of them"
@@ -315,6 +342,64 @@ __device__ __forceinline__ void fold_sinks(float (&o)[MT][ND][4], float (&m)[MT]
         }
 #endif
 }
+
+#ifdef FA_SCORE_MOD_GRAD
+// ---- the backward's score modifier, per visible element (fa2_tc_bwd.cu; fa3_bwd2.cu keeps its own loop)
+
+// The factors around score_mod in a backward: its argument is arg s for a raw score s, and the logit in log2 units
+// is log2_factor score_mod(arg s). The whole text: arg = scale, log2_factor = log2 e; a factored core
+// (FA_SCORE_FACTORED): arg = scale pre, log2_factor = post log2 e, and core' leaves post pre to bwd_ds_scale.
+struct BwdModScales {
+    float arg, log2_factor;
+};
+__device__ __forceinline__ BwdModScales bwd_mod_scales(float scale FACTORED_PARAMS) {
+#ifdef FA_SCORE_FACTORED
+    return {scale * mod_pre, mod_post_log2e};
+#else
+    return {scale, LOG2E};
+#endif
+}
+
+// The logit of raw score s in log2 units; gr = the derivative's factor (mod', or core' without post pre).
+// core_grad (FA_TANH_CORE, a tile that bwd_core_small passed): sech^2 x = 1 - tanh^2 x from the core's own value,
+// one FFMA instead of fa_sech2's EX2 and eight FMA-pipe instructions. Callers pass a constant (a lambda called
+// under a warp-uniform branch, once with each value), so each loop is compiled with one form.
+__device__ __forceinline__ float bwd_mod_logit(float s, float& gr, bool core_grad, const BwdModScales& sc, int b,
+                                               int h, int i, int j, float fi, float fj FA_SM_PARAMS) {
+    const float xs = s * sc.arg;
+    const float core = score_mod(xs, b, h, i, j, fi, fj FA_SM_ARGS);
+#ifdef FA_TANH_CORE
+    if (core_grad) gr = fmaf(-core, core, 1.0f);
+    else
+#endif
+        gr = score_mod_grad(xs, b, h, i, j, fi, fj FA_SM_ARGS);
+    return core * sc.log2_factor;
+}
+#endif
+
+#ifdef FA_TANH_CORE
+// Whether every core argument x = arg s of the warp's scores has |x| <= FA_TANH_GRAD_X, where 1 - t^2 from
+// MUFU.TANH's t (relative error 2^-11) errs by at most 2 t^2 2^-11 / (1 - t^2) <= 2.7e-4 (2^-11.9) relative
+// (|x| = 0.5); past that the cancellation grows (sech^2 4 = 1.3e-3 is MUFU.TANH's absolute error), so a tile
+// holding a larger one (or an inf: the comparison fails) keeps fa_sech2. fmaxf drops a NaN score, which then
+// gives a NaN either way (1 - NaN^2). Every lane of the warp calls it (a block-uniform branch: unmasked tiles).
+#define FA_TANH_GRAD_X 0.5f
+template <int A, int N>
+__device__ __forceinline__ bool bwd_core_small(const float (&s)[A][N][4], float arg) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; e += 2) amax = fmaxf(amax, fmaxf(fabsf(s[a][n][e]), fabsf(s[a][n][e + 1])));
+    return __all_sync(0xffffffffu, amax * fabsf(arg) <= FA_TANH_GRAD_X);
+}
+template <int N>
+__device__ __forceinline__ bool bwd_core_small(const float (&s)[N][4], float arg) {     // one m16 slice (fa2_tc_bwd_wide)
+    return bwd_core_small(reinterpret_cast<const float (&)[1][N][4]>(s), arg);
+}
+#endif
 
 #else
 #define MOD_PARAMS

@@ -50,9 +50,12 @@ def problem(score_mod=None, mask_mod=None, dtype=np.float16, d=64, **kw):
 
 
 def declared_params(options) -> list[str]:
-    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted."""
+    """The C types of MOD_PARAMS (kernels_cu/tc_mods.cuh) once the -D options are substituted, then those of
+    FACTORED_PARAMS where the options compile a factored core (the backward kernels list both)."""
     header = loader.source_text("tc_mods.cuh")
     body = re.search(r"#define MOD_PARAMS (.*)", header).group(1)
+    if "-DFA_SCORE_FACTORED=1" in options:
+        body += re.search(r"#define FACTORED_PARAMS (.*)", header).group(1)
     macros = dict(o[2:].split("=", 1) for o in options if o.startswith("-D") and "=" in o)
     for name in ("FA_SM_PARAMS", "FA_MM_PARAMS"):
         body = body.replace(name, macros.get(name, ""))

@@ -565,12 +565,16 @@ def test_softcap_wgmma2_backward_compiles_the_factored_core_and_its_derivative()
 
 
 def test_sech2_from_tanh_is_accurate_within_the_kernels_range():
-    """fa3_bwd2's FA_TANH_CORE takes sech^2 x = 1 - t^2 from t = MUFU.TANH(x) (relative error up to 2^-11, PTX ISA)
-    while every |x| of a warp's tile is at most FA_TANH_GRAD_X: at the worst rounding of t, 1 - t^2 stays within
-    2^-11.5 of sech^2 there (about fp16's own rounding), and it would not at |x| = 1 (the cancellation grows)."""
-    src = (Path(__file__).resolve().parents[1] / "kernels_cu" / "fa3_bwd2.cu").read_text()
-    x_max = float(re.search(r"#define FA_TANH_GRAD_X ([0-9.]+)f", src).group(1))
-    assert "fmaf(-core, core, 1.0f)" in src and "FA_TANH_GRAD_X" in src.split("exp_scores_mod(false, true)")[0]
+    """The backward kernels' FA_TANH_CORE (fa3_bwd2.cu, fa2_tc_bwd.cu through tc_mods.cuh) takes sech^2 x = 1 - t^2
+    from t = MUFU.TANH(x) (relative error up to 2^-11, PTX ISA) while every |x| of a warp's tile is at most
+    FA_TANH_GRAD_X: at the worst rounding of t, 1 - t^2 stays within 2^-11.5 of sech^2 there (about fp16's own
+    rounding), and it would not at |x| = 1 (the cancellation grows)."""
+    kernels = Path(__file__).resolve().parents[1] / "kernels_cu"
+    mods, bwd2, tc = ((kernels / f).read_text() for f in ("tc_mods.cuh", "fa3_bwd2.cu", "fa2_tc_bwd.cu"))
+    x_max = float(re.search(r"#define FA_TANH_GRAD_X ([0-9.]+)f", mods).group(1))
+    assert "fmaf(-core, core, 1.0f)" in mods and "<= FA_TANH_GRAD_X" in mods.split("bool bwd_core_small")[1]
+    assert "fmaf(-core, core, 1.0f)" in bwd2 and "bwd_core_small" in bwd2.split("exp_scores_mod(false, true)")[0]
+    assert "bwd_core_small" in tc.split("f(false, true)")[0]
 
     def worst(limit):
         x = np.linspace(-limit, limit, 100001)

@@ -16,7 +16,8 @@ from sandbox import fuzz, get_variant, loader, modifiers as M
 from sandbox.masks import TILE_EMPTY, BlockSparse, classify_tiles_mod
 from sandbox.problem import make_problem
 from sandbox.registry import all_variants
-from variants.fa2_tc import ModKernel, TCConfig, d_pad, modifier_args, modifier_tiles
+from variants.fa2_tc import (ModKernel, TCConfig, backward_mods, d_pad, factored_args, modifier_args, modifier_tiles,
+                             module_mods)
 
 from mod_cases import (B, C_OF, HKV, HQ, NK, NQ, PTR_OF, compile_reports, declared_params as _declared_params,  # noqa: F401,E501
                        mask_mods as _mask_mods, problem as _problem, score_mods as _score_mods)
@@ -61,9 +62,15 @@ def test_modifier_units_carry_their_text_and_one_dropout_switch():
         opts = ModKernel.of(_problem(sm["sinks"]), backward).options
         assert "-DFA_SINKS=1" in opts and not any(o.startswith("-DFA_SCORE_MOD") for o in opts)
     assert "-DFA_SCORE_MOD=1" in ModKernel.of(_problem(sm["softcap+sinks"])).options
-    bw = cfg.backward_unit("float16", 64, ModKernel.of(_problem(sm["softcap"], mm["document"]), backward=True))
+    bw = cfg.backward_unit("float16", 64, _backward_mods(_problem(sm["softcap"], mm["document"])))
     assert "-DFA_SCORE_MOD_GRAD=1" in bw.options and "-DFA_MASK_MOD=1" in bw.options
     assert M.softcap(1.0).cuda_key in bw.label and mm["document"].cuda_key in bw.label
+    # the soft-cap's backward compiles its factored core (tanh, sech^2: FA_TANH_CORE) and ALiBi alone seeds S^T
+    assert {"-DFA_SCORE_FACTORED=1", "-DFA_TANH_CORE=1"} <= set(bw.options)
+    al = _backward_mods(_problem(sm["alibi"]))
+    assert "-DFA_DIST_BIAS=1" in al.options and not any(o.startswith("-DFA_SCORE_MOD") for o in al.options)
+    assert _backward_mods(_problem(sm["alibi"], scale=0.0)).options != al.options    # no seed at scale 0: the text
+    assert _backward_mods(_problem(sm["sinks"])) is None                             # P from lse: the plain module
 
 
 @pytest.mark.parametrize("sm_name,mm_name", [(a, b) for a in (None, *_score_mods()) for b in (None, *_mask_mods())
@@ -72,11 +79,14 @@ def test_modifier_arguments_match_the_kernel_parameters(sm_name, mm_name):
     sm = _score_mods().get(sm_name)
     mm = _mask_mods().get(mm_name)
     p = _problem(sm, mm, scale=-0.3)
-    for backward in (False, True):
-        types = _declared_params(ModKernel.of(p, backward).options)
-        args = modifier_args(p, 1)
+    need = backward_mods(p)
+    for mods, args in ((ModKernel.of(p), modifier_args(p, 1)),
+                       (module_mods(p, need), modifier_args(p, 1) + factored_args(p, need))):
+        if mods is None:                      # sinks alone: the backward runs the module without modifiers
+            assert need == "none" and sm is not None and sm.is_identity and mm is None
+            continue
         got = [C_OF[np.dtype(type(a))] if isinstance(a, np.generic) else PTR_OF[a.dtype] for a in args]
-        assert got == types
+        assert got == _declared_params(mods.options)
     args = modifier_args(p, 2)
     assert args[0] == 2 and args[1] == np.float32(0.3)                 # tile batch extent, |scale|
     sink = args[2]
@@ -121,14 +131,22 @@ def test_modifier_refusals_come_before_any_launch():
         M.cuda_defines(forward_only, None, backward=True)
 
 
+def _backward_mods(p):
+    """The modifier options of p's backward module, as FA2TensorCore.backward builds it."""
+    return module_mods(p, backward_mods(p))
+
+
 # ---- no GPU: NVRTC builds with each built-in modifier, register / spill gates (sm_90)
 
 # Forward: spill-free like the default without modifiers (214 registers at D = 64, 247 at D = 128).
 # Backward (Br = Bc = 64, 3 blocks per SM at D = 64): the default already spills 108 bytes of stores
 # without modifiers (TCConfig.BWD_AUTO); the gate holds the modifier builds under 208 bytes (softcap + document with the
 # hardware tanh, fa_tanh: 200 bytes of stores, 108 of loads; 68 / 68 with libdevice tanhf, whose forward ran
-# 4.4x the plain one: the spills are the price of the faster build, to be measured on the GPU).
-BWD_SPILL_LIMIT = 208
+# 4.4x the plain one: the spills are the price of the faster build, to be measured on the GPU). Since session 26 the
+# element-wise step is compiled in a full-tile and a masked form (kernels_cu/fa2_tc_bwd.cu elementwise_forms): ALiBi
+# (S^T seeded) 232 bytes, the relative bias 224, sinks with a document mask in the deterministic kernel 248, for a
+# plain causal backward 5-14% faster; ALiBi then costs 3-6% over plain causal.
+BWD_SPILL_LIMIT = 256
 FORWARD_BUILDS = [("float16", 64, "softcap", None), ("float16", 64, "alibi", None),
                   ("float16", 64, "relative_bias", None), ("float16", 64, "sinks", None),
                   ("float16", 64, None, "document"), ("float16", 64, None, "prefix_lm"),
@@ -144,7 +162,7 @@ def _forward_unit(dtype, D, sm, mm):
 
 def _backward_unit(dtype, D, sm, mm, deterministic):
     p = _problem(_score_mods().get(sm), _mask_mods().get(mm), np.float16, D)
-    return TCConfig(deterministic=deterministic).backward_unit(dtype, D, ModKernel.of(p, backward=True))
+    return TCConfig(deterministic=deterministic).backward_unit(dtype, D, _backward_mods(p))
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +217,7 @@ def _prebuild(name, dtype, problems):
     units = {}
     for p in problems:
         D = d_pad(p.d)
-        for u in (config.unit(dtype, D, ModKernel.of(p)), config.backward_unit(dtype, D, ModKernel.of(p, backward=True))):
+        for u in (config.unit(dtype, D, ModKernel.of(p)), config.backward_unit(dtype, D, _backward_mods(p))):
             units.setdefault(u, None)
     loader.prebuild(list(units), arch())
 
@@ -229,6 +247,35 @@ def test_modifiers_match_oracle_forward_and_backward(name, dtype):
     bound = get_variant(name)
     for case in _gpu_cases(dtype):
         fuzz.assert_case(bound, case, "backward")
+
+
+def _backward_form_cases(dtype):
+    """(variant, Case) for the backward's compiled forms (kernels_cu/fa2_tc_bwd.cu): the soft-cap's factored core with
+    sech^2 from its tanh where a warp's |x| <= 0.5 (FA_TANH_CORE) and from fa_sech2 elsewhere, a factor post pre = 2
+    that dK and dQ must carry (twice_softcap), ALiBi seeding S^T (and the deterministic dQ kernel's S) with either
+    sign of the scale and with dropout, and the wide kernel (d = 192, 256: fa3's backward there is fa2-tc's)."""
+    from mod_cases import twice_softcap
+    al = M.alibi(M.alibi_slopes(4))
+    C = fuzz.Case
+    return [("fa2-tc", C(1, 4, 2, 300, 300, 128, dtype, {"causal": True, "score_mod": M.softcap(30.0)}, 40)),
+            ("fa2-tc", C(2, 4, 4, 257, 300, 64, dtype, {"score_mod": M.softcap(2.0)}, 41, logit_scale=4.0)),
+            ("fa2-tc", C(1, 4, 2, 200, 333, 64, dtype, {"causal": True, "score_mod": twice_softcap(5.0)}, 42,
+                         logit_scale=3.0)),
+            ("fa2-tc-deterministic", C(1, 4, 2, 200, 333, 128, dtype, {"score_mod": twice_softcap(20.0)}, 43)),
+            ("fa2-tc", C(1, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": al}, 44)),
+            ("fa2-tc", C(1, 4, 4, 190, 260, 128, dtype, {"scale": -0.4, "score_mod": al}, 45)),
+            ("fa2-tc", C(1, 4, 2, 300, 300, 64, dtype, {"causal": True, "score_mod": al, "dropout_p": 0.3, "seed": 5,
+                                                        "offset": 1}, 46)),
+            ("fa2-tc-deterministic", C(1, 4, 2, 300, 280, 64, dtype, {"causal": True, "score_mod": al}, 47)),
+            ("fa3", C(1, 4, 2, 200, 200, 192, dtype, {"causal": True, "score_mod": M.softcap(20.0)}, 48)),
+            ("fa3", C(1, 4, 2, 200, 230, 256, dtype, {"score_mod": al}, 49))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_forms_match_oracle(dtype):
+    for name, case in _backward_form_cases(dtype):
+        fuzz.assert_case(get_variant(name), case, "backward")
 
 
 @pytest.mark.gpu

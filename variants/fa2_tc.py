@@ -437,6 +437,38 @@ def _buffer_args(mod, xp) -> tuple:
     return args
 
 
+# ---- modifiers in the backward kernels (kernels_cu/fa2_tc_bwd.cu; fa3_bwd2.cu through variants/fa3_backward.py)
+
+def backward_mods(p) -> str:
+    """What a problem's modifiers ask of a backward kernel: "none" (no modifiers, or attention sinks alone:
+    the backward recomputes P from lse, which holds the sink), "seed" (a distance bias, with or without
+    sinks: the kernel seeds its S^T accumulator with it), "text" (another score modifier: its text and derivative
+    compiled in, or its factored core and the core's derivative), "mask" (a mask modifier, with any score
+    modifier's text and derivative: its predicate and tile classes compiled in)."""
+    sm, mm = p.score_mod, p.mask_mod
+    if mm is not None:
+        return "mask"
+    if sm is None or sm.is_identity:
+        return "none"
+    return "seed" if seeds_bias(p) else "text"
+
+
+def module_mods(p, need: str) -> ModKernel | None:
+    """A backward module's modifier options for backward_mods' `need`: a distance bias the forward's (FA_DIST_BIAS;
+    FA_SINKS harmless), a score modifier's text or a mask modifier the backward's (text and derivative, or the
+    factored core and its derivative; the predicate), sinks alone none (the module without modifiers)."""
+    return None if need == "none" else ModKernel.of(p, backward=need != "seed", factored=True)
+
+
+def factored_args(p, need: str) -> tuple:
+    """FA_SCORE_FACTORED's kernel arguments (pre, post log2 e, post pre: kernels_cu/tc_mods.cuh FACTORED_PARAMS)
+    where the backward module compiles a score modifier's factored core (modifiers.cuda_defines), else ()."""
+    sm = p.score_mod
+    if need not in ("text", "mask") or sm is None or sm.is_identity or not sm.backward_factored:
+        return ()
+    return tuple(f32(x) for x in sm.backward_factors())
+
+
 # ---- launch
 
 VL_SEQ_INTS = 6    # kernels_cu/fa2_tc.cu VL_SEQ_INTS (sandbox/varlen.py SEQ_INTS)
@@ -553,7 +585,8 @@ class FA2TensorCore:
         import cupy as xp
         for x, nm in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out")):
             check_alignment(x, nm, self.name)
-        mods = ModKernel.of(p, backward=True)       # None without modifiers: the kernels without them
+        need = backward_mods(p)
+        mods = module_mods(p, need)                 # None without modifiers (or sinks alone): the kernels without them
         unit = config.backward_unit(p.dtype, D, mods)
         name = config.backward_name(p.dtype, D, dropout)
         if config.bwd_pre == "cupy":
@@ -576,7 +609,7 @@ class FA2TensorCore:
             mod_rest = ()
         else:
             tiles, tile_heads, tile_b = modifier_tiles(p, br, bc, xp)
-            mod_rest = modifier_args(p, tile_b, xp)
+            mod_rest = modifier_args(p, tile_b, xp) + factored_args(p, need)
         launch(unit, name, (-(-p.Nk // bc), p.B * p.Hkv), (32 * warps,),
                (*operands, dq, dk, dv, tiles, tile_heads, i32(p.Hq), i32(p.Hkv), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])
@@ -589,7 +622,7 @@ class FA2TensorCore:
                 tiles, tile_heads = tile_table(p, config.DQ_BR, config.DQ_BC, xp)
             else:
                 tiles, tile_heads, tile_b = modifier_tiles(p, config.DQ_BR, config.DQ_BC, xp)
-                mod_rest = modifier_args(p, tile_b, xp)
+                mod_rest = modifier_args(p, tile_b, xp) + factored_args(p, need)
         launch(unit, name, (-(-p.Nq // config.DQ_BR), p.B * p.Hq), (32 * config.DQ_WARPS,),
                (*operands, dq, tiles, tile_heads, i32(p.Hq), i32(p.group), *rest, *mod_rest),
                shared_mem=unit.dynamic_smem[name])

@@ -31,7 +31,7 @@ from sandbox.launch import LaunchPlan, cuda_options, dropout_args, f32, i32, i64
 from sandbox.loader import CompileUnit, PackedLaunch, Slot, get_kernel, launch
 
 from .fa2_tc import (CTYPE, ITEMSIZE, ModKernel, TCConfig, _check_aligned, _check_row_strides, _dropout_slots,
-                     check_alignment, d_pad, modifier_args, modifier_tiles, seeds_bias)
+                     backward_mods, check_alignment, d_pad, factored_args, modifier_args, modifier_tiles, module_mods)
 
 BR, BC, THREADS = 64, 128, 256
 ARCHS = ("sm_90a",)
@@ -40,40 +40,10 @@ SERIAL = os.environ.get("SANDBOX_BWD2_SERIAL", "0") == "1"    # wgmma2 ablation:
 TMA_ROWS = 64                      # wgmma2's Q and dO tensor maps: boxes of 64 rows x 64 columns
 
 
-def backward_mods(p) -> str:
-    """What a problem's modifiers ask of a backward kernel: "none" (no modifiers, or attention sinks alone:
-    the backward recomputes P from lse, which holds the sink), "seed" (a distance bias, with or without
-    sinks: fa3_bwd2 seeds S^T with it), "text" (another score modifier: its text and derivative compiled
-    in), "mask" (a mask modifier, with any score modifier's text and derivative: its predicate and tile
-    classes compiled in)."""
-    sm, mm = p.score_mod, p.mask_mod
-    if mm is not None:
-        return "mask"
-    if sm is None or sm.is_identity:
-        return "none"
-    return "seed" if seeds_bias(p) else "text"
-
-
 def takes_mods(kernel: str, p) -> bool:
     """Whether bwd_kernel `kernel` ("wgmma", "wgmma2") runs problem p's modifiers: wgmma2 all of them,
     wgmma (fa3_bwd.cu) sinks alone."""
     return backward_mods(p) == "none" or kernel == "wgmma2"
-
-
-def module_mods(p, need: str) -> ModKernel | None:
-    """fa3_bwd2's modifier options for backward_mods' `need`: a distance bias the forward's (FA_DIST_BIAS;
-    FA_SINKS harmless), a score modifier's text or a mask modifier the backward's (text and derivative, the
-    predicate), sinks alone none (the module without modifiers)."""
-    return None if need == "none" else ModKernel.of(p, backward=need != "seed", factored=True)
-
-
-def factored_args(p, need: str) -> tuple:
-    """fa3_bwd2's FA_SCORE_FACTORED arguments (pre, post log2 e, post pre) where its module compiles a score
-    modifier's factored core (modifiers.cuda_defines), else ()."""
-    sm = p.score_mod
-    if need not in ("text", "mask") or sm is None or sm.is_identity or not sm.backward_factored:
-        return ()
-    return tuple(f32(x) for x in sm.backward_factors())
 
 
 def dq_scale(p, need: str):
