@@ -85,6 +85,13 @@
 // (211 registers: 8 warps per SM, not 12). fa2_tc_bwd_rowdot in place of the CuPy expression (fp32 casts
 // of dO and O, product, sum) bought 1-23% of the backward, most at N = 2k. Next rung:
 // fewer registers per warp (FA2's 2-D warp layouts for S and dP), so occupancy comes without spills.
+//
+// Modifiers (issue 18; tc_mods.cuh): a score modifier's text and derivative, or its factored core and the core's
+// derivative (FA_SCORE_FACTORED; the soft-cap's sech^2 from its own tanh where a warp's |x| <= 0.5, FA_TANH_CORE),
+// a distance bias seeding S^T (S in fa2_tc_bwd_dq; FA_DIST_BIAS), a mask modifier's predicate and tile classes;
+// the element-wise step in a full-tile and a masked form (elementwise_forms). Session 26 (H100, fp16 causal,
+// N = 4k-8k, bench/results/h100/2026-11-27-session-26.md): plain causal's backward 5-14% faster from the two forms;
+// over it, the soft-cap +1-6% (was +35-47%) and ALiBi +1-5% (was +13-25%) on fa2-tc.
 #include "tc_softmax.cuh"
 #include "tc_gemm.cuh"
 #include "tc_mods.cuh"
