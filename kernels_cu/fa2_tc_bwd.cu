@@ -283,38 +283,38 @@ fa2_tc_bwd(const T* __restrict__ Q, long long q_sb, long long q_sh, long long q_
             // P_drop^T into s, dS^T into dp; core_grad: tc_mods.cuh bwd_mod_logit (elementwise_forms)
             auto elementwise = [&](bool tile_masked, bool core_grad) {
 #pragma unroll
-            for (int mk = 0; mk < MK; ++mk)
+                for (int mk = 0; mk < MK; ++mk)
 #pragma unroll
-            for (int n = 0; n < NQ; ++n)
+                for (int n = 0; n < NQ; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;                  // query
-                    const int j = col0 + wkey + mk * 16 + g + (e >= 2 ? 8 : 0);            // key
-                    const float L = cL[x];
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = n * 8 + 2 * tq + (e & 1), i = row0 + x;                  // query
+                        const int j = col0 + wkey + mk * 16 + g + (e >= 2 ? 8 : 0);            // key
+                        const float L = cL[x];
 #ifdef FA_MODS
-                    const bool vis = L != NEG_INF &&
-                                     (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
-                    float x2 = s[mk][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
+                        const bool vis = L != NEG_INF &&
+                                         (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
+                        float x2 = s[mk][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
-                    if (vis) {
-                        const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(mk * 16 + (e >= 2 ? 8 : 0));
-                        x2 = bwd_mod_logit(s[mk][n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
-                    }
+                        if (vis) {
+                            const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(mk * 16 + (e >= 2 ? 8 : 0));
+                            x2 = bwd_mod_logit(s[mk][n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
+                        }
 #endif
-                    const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
+                        const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
 #else
-                    const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
-                    const float p = vis ? exp2_ftz(s[mk][n][e] * scale_log2 - L) : 0.0f;
+                        const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                        const float p = vis ? exp2_ftz(s[mk][n][e] * scale_log2 - L) : 0.0f;
 #endif
-                    float f = 1.0f;                       // Z / (1 - p) of element (i, j)
-                    if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
-                    s[mk][n][e] = p * f;                  // P_drop^T (dV's A operand)
+                        float f = 1.0f;                       // Z / (1 - p) of element (i, j)
+                        if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
+                        s[mk][n][e] = p * f;                  // P_drop^T (dV's A operand)
 #ifdef FA_MODS
-                    dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]) * gr;   // dS_raw = dS_mod o mod'(s)
+                        dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]) * gr;   // dS_raw = dS_mod o mod'(s)
 #else
-                    dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+                        dp[mk][n][e] = p * (dp[mk][n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
 #endif
-                }
+                    }
             };
             elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
             gemm_pv<T, D, BR>(dv, s, kq.v + off);        // dV += P_drop^T dO
@@ -478,38 +478,38 @@ fa2_tc_bwd_dq(const T* __restrict__ Q, long long q_sb, long long q_sh, long long
 #endif
         auto elementwise = [&](bool tile_masked, bool core_grad) {     // dS into s (fa2_tc_bwd's lambda, S's layout)
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+            for (int n = 0; n < NT; ++n)
 #pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                const int i = row0 + wrow + g + 8 * hr, j = col0 + n * 8 + 2 * tq;   // j, j + 1 share a Philox word
-                uint4 w = make_uint4(0, 0, 0, 0);
-                if (DROPOUT) w = dropout_words<R>(drop, bh, i, j >> 2);
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int i = row0 + wrow + g + 8 * hr, j = col0 + n * 8 + 2 * tq;   // j, j + 1 share a Philox word
+                    uint4 w = make_uint4(0, 0, 0, 0);
+                    if (DROPOUT) w = dropout_words<R>(drop, bh, i, j >> 2);
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int e = 2 * hr + c;
+                    for (int c = 0; c < 2; ++c) {
+                        const int e = 2 * hr + c;
 #ifdef FA_MODS
-                    const bool vis = L[hr] != NEG_INF &&
-                                     (!tile_masked || (i < Nq && j + c < Nk &&
-                                                  (cls == TILE_FULL || mod_visible(mask, b, h, i, j + c, MOD_FN_ARGS))));
-                    float x2 = s[0][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
+                        const bool vis = L[hr] != NEG_INF &&
+                                         (!tile_masked || (i < Nq && j + c < Nk &&
+                                                      (cls == TILE_FULL || mod_visible(mask, b, h, i, j + c, MOD_FN_ARGS))));
+                        float x2 = s[0][n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
-                    if (vis) {
-                        const float fi = fi0 + (float)(8 * hr), fj = fj0 + (float)(n * 8 + c);
-                        x2 = bwd_mod_logit(s[0][n][e], gr, core_grad, msc, b, h, i, j + c, fi, fj FA_SM_ARGS);
-                    }
+                        if (vis) {
+                            const float fi = fi0 + (float)(8 * hr), fj = fj0 + (float)(n * 8 + c);
+                            x2 = bwd_mod_logit(s[0][n][e], gr, core_grad, msc, b, h, i, j + c, fi, fj FA_SM_ARGS);
+                        }
 #endif
-                    const float p = vis ? exp2_ftz(x2 - L[hr]) : 0.0f;
-                    const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
-                    s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]) * gr;   // dS_raw = dS_mod o mod'(s)
+                        const float p = vis ? exp2_ftz(x2 - L[hr]) : 0.0f;
+                        const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
+                        s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]) * gr;   // dS_raw = dS_mod o mod'(s)
 #else
-                    const bool vis = L[hr] != NEG_INF &&
-                                     (!tile_masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
-                    const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L[hr]) : 0.0f;
-                    const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
-                    s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]);   // dS = P o (dP Z / (1 - p) - D)
+                        const bool vis = L[hr] != NEG_INF &&
+                                         (!tile_masked || (i < Nq && j + c < Nk && (cls == TILE_FULL || mask.visible(h, i, j + c))));
+                        const float p = vis ? exp2_ftz(s[0][n][e] * scale_log2 - L[hr]) : 0.0f;
+                        const float f = DROPOUT && vis ? dropout_factor(drop, word_of(w, (j & 3) + c)) : 1.0f;
+                        s[0][n][e] = p * (dp[0][n][e] * f - Dr[hr]);   // dS = P o (dP Z / (1 - p) - D)
 #endif
+                    }
                 }
-            }
         };
         elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
         gemm_pv<T, D, BC>(dq, s, da.v + off);        // dQ += dS K_t, dS from registers
@@ -735,36 +735,36 @@ fa2_tc_bwd_wide(const T* __restrict__ Q, long long q_sb, long long q_sh, long lo
 #endif
             auto elementwise = [&](bool tile_masked, bool core_grad) {   // P_drop^T into s, dS^T into dp (as fa2_tc_bwd)
 #pragma unroll
-            for (int n = 0; n < NQH; ++n)
+                for (int n = 0; n < NQH; ++n)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int x = qh + n * 8 + 2 * tq + (e & 1), i = row0 + x;          // query
-                    const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);                    // key
-                    const float L = cL[x];
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = qh + n * 8 + 2 * tq + (e & 1), i = row0 + x;          // query
+                        const int j = col0 + wkey + g + (e >= 2 ? 8 : 0);                    // key
+                        const float L = cL[x];
 #ifdef FA_MODS
-                    const bool vis = L != NEG_INF &&
-                                     (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
-                    float x2 = s[n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
+                        const bool vis = L != NEG_INF &&
+                                         (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mod_visible(mask, b, h, i, j, MOD_FN_ARGS))));
+                        float x2 = s[n][e] * scale_log2, gr = 1.0f;   // the logit in log2 units, mod'(s)
 #ifdef FA_SCORE_MOD
-                    if (vis) {
-                        const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(e >= 2 ? 8 : 0);
-                        x2 = bwd_mod_logit(s[n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
-                    }
+                        if (vis) {
+                            const float fi = fi0 + (float)(n * 8 + (e & 1)), fj = fj0 + (float)(e >= 2 ? 8 : 0);
+                            x2 = bwd_mod_logit(s[n][e], gr, core_grad, msc, b, h, i, j, fi, fj FA_SM_ARGS);
+                        }
 #endif
-                    const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
+                        const float p = vis ? exp2_ftz(x2 - L) : 0.0f;
 #else
-                    const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
-                    const float p = vis ? exp2_ftz(s[n][e] * scale_log2 - L) : 0.0f;
+                        const bool vis = L != NEG_INF && (!tile_masked || (i < Nq && j < Nk && (cls == TILE_FULL || mask.visible(h, i, j))));
+                        const float p = vis ? exp2_ftz(s[n][e] * scale_log2 - L) : 0.0f;
 #endif
-                    float f = 1.0f;                       // Z / (1 - p) of element (i, j)
-                    if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
-                    s[n][e] = p * f;                      // P_drop^T (dV's A operand)
+                        float f = 1.0f;                       // Z / (1 - p) of element (i, j)
+                        if (DROPOUT && vis) f = dropout_factor(drop, word_of(dropout_words<R>(drop, bh, i, j >> 2), j & 3));
+                        s[n][e] = p * f;                      // P_drop^T (dV's A operand)
 #ifdef FA_MODS
-                    dp[n][e] = p * (dp[n][e] * f - cD[x]) * gr;   // dS_raw = dS_mod o mod'(s)
+                        dp[n][e] = p * (dp[n][e] * f - cD[x]) * gr;   // dS_raw = dS_mod o mod'(s)
 #else
-                    dp[n][e] = p * (dp[n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
+                        dp[n][e] = p * (dp[n][e] * f - cD[x]);   // dS^T = P o (dP Z / (1 - p) - D)
 #endif
-                }
+                    }
             };
             elementwise_forms<!DROPOUT>(elementwise, masked, s, BWD_CORE_ARG);
             // P_drop^T and dS^T (16-bit) to shared memory: the strip's other half needs them, and dQ needs dS^T
